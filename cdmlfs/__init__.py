@@ -1,0 +1,34 @@
+"""cdmlfs: mount ZIP, tar.zst and S3 archives as read-only directories, without extraction.
+
+Data path: byte source (``cdmlfs.sources``) -> archive format (``cdmlfs.formats``)
+-> index (``cdmlfs.index``) -> extent reader + bounded cache (``cdmlfs.reader``,
+``cdmlfs.cache``) -> front ends (``cdmlfs.fuse_ops``, ``cdmlfs.archive``, ``cdmlfs.cli``).
+
+Python API::
+
+    import cdmlfs
+    with cdmlfs.open("data.zip") as ar:
+        print(ar.listdir(""))
+        jpeg = ar.read("train/cat/001.jpg")
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["Archive", "__version__", "open"]
+
+
+def open(location: str, **kwargs):
+    """Open an archive (path or URI) for reading through the Python API."""
+    from cdmlfs.archive import Archive
+
+    return Archive(location, **kwargs)
+
+
+def __getattr__(name: str):
+    if name == "Archive":
+        from cdmlfs.archive import Archive
+
+        return Archive
+    raise AttributeError(name)

@@ -1,0 +1,297 @@
+"""The Python API: open an archive (path or URI), list, stat, read, extract — no FUSE needed.
+
+This is the one object the front ends (FUSE operations, CLI, cdmlfs_torch) use;
+it wires source -> format -> index -> extent reader + cache.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+import shutil
+from collections.abc import Callable, Iterator
+
+from cdmlfs.cache import ExtentCache
+from cdmlfs.errors import IsADirectoryError_, NotADirectoryError_, NotFoundError
+from cdmlfs.formats import open_format
+from cdmlfs.index import DIR, FILE, SYMLINK, EntryStat, Index
+from cdmlfs.reader import ExtentReader
+from cdmlfs.sources import open_source
+from cdmlfs.sources.base import Source
+
+DEFAULT_CACHE_SIZE = 512 << 20
+MAX_SYMLINK_HOPS = 40
+
+
+class Archive:
+    """A read-only view of one archive.
+
+    Thread-safe. Pickles as its location and options only, so a DataLoader
+    worker (fork or spawn) reopens its own source handle and cache.
+    """
+
+    def __init__(
+        self,
+        location: str | Source,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        progress: Callable[[int, int], None] | None = None,
+        **options,
+    ) -> None:
+        self._location = location if isinstance(location, str) else None
+        self._cache_size = cache_size
+        self._options = options
+        self.source: Source = open_source(location, **options) if isinstance(location, str) else location
+        try:
+            self.format = open_format(self.source, progress=progress, **options)
+        except BaseException:
+            self.source.close()
+            raise
+        self.index: Index = self.format.index
+        self.cache = ExtentCache(cache_size)
+        self.reader = ExtentReader(self.format, self.cache)
+
+    # -- lifecycle -----------------------------------------------------------
+    @property
+    def location(self) -> str:
+        return self._location if self._location is not None else repr(self.source)
+
+    def close(self) -> None:
+        self.cache.clear()
+        self.source.close()
+
+    def __enter__(self) -> Archive:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict:
+        if self._location is None:
+            raise TypeError("an Archive opened on a Source object cannot be pickled; open it by location")
+        return {"location": self._location, "cache_size": self._cache_size, "options": self._options}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["location"], state["cache_size"], **state["options"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"Archive({self.location!r}, format={self.format.name}, entries={len(self.index) - 1})"
+
+    # -- paths ---------------------------------------------------------------
+    def _resolve(self, path: str, follow: bool = True) -> int:
+        """Entry id for ``path``, following symlinks inside the archive (never outside it)."""
+        path = posixpath.normpath("/" + path).lstrip("/")
+        if path == ".":
+            path = ""
+        index = self.index
+        hops = 0
+        while True:
+            eid = index.get(path)
+            if eid is None:
+                eid = self._resolve_through_links(path, hops)
+            if not follow or index.kind[eid] != SYMLINK:
+                return eid
+            hops += 1
+            if hops > MAX_SYMLINK_HOPS:
+                raise NotFoundError(f"{path}: too many levels of symbolic links")
+            target = self.reader.readlink(eid)
+            path = self._join_link(path, target)
+
+    def _resolve_through_links(self, path: str, hops: int) -> int:
+        """Slow path: a parent component may itself be a symlink."""
+        index = self.index
+        parts = path.split("/") if path else []
+        cur = ""
+        for i, part in enumerate(parts):
+            nxt = f"{cur}/{part}" if cur else part
+            eid = index.get(nxt)
+            if eid is None:
+                raise NotFoundError(f"{path}: no such file or directory in the archive")
+            if index.kind[eid] == SYMLINK and i < len(parts) - 1:
+                hops += 1
+                if hops > MAX_SYMLINK_HOPS:
+                    raise NotFoundError(f"{path}: too many levels of symbolic links")
+                nxt = self._join_link(nxt, self.reader.readlink(eid))
+                eid = index.get(nxt)
+                if eid is None or index.kind[eid] == SYMLINK:
+                    return self._resolve(nxt + "/" + "/".join(parts[i + 1 :]), True)
+            cur = nxt
+        eid = index.get(cur)
+        if eid is None:
+            raise NotFoundError(f"{path}: no such file or directory in the archive")
+        return eid
+
+    @staticmethod
+    def _join_link(link_path: str, target: str) -> str:
+        if target.startswith("/"):
+            raise NotFoundError(f"{link_path}: symlink points outside the archive ({target})")
+        joined = posixpath.normpath(posixpath.join(posixpath.dirname(link_path), target))
+        if joined.startswith("..") or joined.startswith("/"):
+            raise NotFoundError(f"{link_path}: symlink points outside the archive ({target})")
+        return "" if joined == "." else joined
+
+    # -- queries -------------------------------------------------------------
+    def stat(self, path: str, follow_symlinks: bool = True) -> EntryStat:
+        return self.index.stat(self._resolve(path, follow_symlinks))
+
+    def exists(self, path: str) -> bool:
+        try:
+            self._resolve(path)
+        except NotFoundError:
+            return False
+        return True
+
+    def isdir(self, path: str) -> bool:
+        try:
+            return self.index.kind[self._resolve(path)] == DIR
+        except NotFoundError:
+            return False
+
+    def isfile(self, path: str) -> bool:
+        try:
+            return self.index.kind[self._resolve(path)] == FILE
+        except NotFoundError:
+            return False
+
+    def listdir(self, path: str = "") -> list[str]:
+        eid = self._resolve(path)
+        if self.index.kind[eid] != DIR:
+            raise NotADirectoryError_(f"{path}: not a directory")
+        return [self.index.name(c) for c in self.index.children(eid)]
+
+    def scandir(self, path: str = "") -> list[EntryStat]:
+        eid = self._resolve(path)
+        return [self.index.stat(c) for c in self.index.children(eid)]
+
+    def walk(self, top: str = "") -> Iterator[tuple[str, list[str], list[str]]]:
+        """Like ``os.walk`` (top-down, name order; symlinks to directories are not followed)."""
+        index = self.index
+        stack = [self._resolve(top)]
+        while stack:
+            eid = stack.pop()
+            dirs, files, subdirs = [], [], []
+            for c in index.children(eid):
+                if index.kind[c] == DIR:
+                    dirs.append(index.name(c))
+                    subdirs.append(c)
+                else:
+                    files.append(index.name(c))
+            yield index.paths[eid], dirs, files
+            stack.extend(reversed(subdirs))
+
+    def files(self) -> list[str]:
+        """Every regular file path (no directories or symlinks), in name order."""
+        index = self.index
+        return [index.paths[e] for e in index.walk(0) if index.kind[e] == FILE]
+
+    def archive_order(self) -> list[str]:
+        """File paths in the order their bytes lie in the archive (one forward pass reads them all)."""
+        return [self.index.paths[e] for e in self.index.files_in_archive_order()]
+
+    def readlink(self, path: str) -> str:
+        eid = self._resolve(path, follow=False)
+        if self.index.kind[eid] != SYMLINK:
+            raise OSError(22, f"{path}: not a symbolic link")
+        return self.reader.readlink(eid)
+
+    # -- data ----------------------------------------------------------------
+    def read(self, path: str, offset: int = 0, size: int = -1) -> bytes:
+        """Bytes of a file (following symlinks); ``size=-1`` reads to the end."""
+        eid = self._resolve(path)
+        if self.index.kind[eid] == DIR:
+            raise IsADirectoryError_(f"{path}: is a directory")
+        if size < 0:
+            size = self.index.size[self.index.data_entry(eid)] - offset
+        return self.reader.read(eid, offset, size)
+
+    def open(self, path: str, buffering: int = 1 << 20) -> io.BufferedReader:
+        """A seekable binary file object over a member (reads go through the bounded cache)."""
+        eid = self._resolve(path)
+        if self.index.kind[eid] == DIR:
+            raise IsADirectoryError_(f"{path}: is a directory")
+        raw = MemberFile(self.reader, eid, self.index.paths[eid])
+        return io.BufferedReader(raw, buffer_size=buffering)
+
+    def extract(self, path: str, dest_dir: str, chunk: int = 4 << 20) -> str:
+        """Copy one entry (file, symlink or a whole directory) under ``dest_dir``; returns the output path."""
+        eid = self._resolve(path, follow=False)
+        index = self.index
+        out = os.path.join(dest_dir, index.paths[eid])
+        if index.kind[eid] == DIR:
+            os.makedirs(out, exist_ok=True)
+            for c in index.walk(eid):
+                self._extract_one(c, os.path.join(dest_dir, index.paths[c]), chunk)
+            return out
+        self._extract_one(eid, out, chunk)
+        return out
+
+    def _extract_one(self, eid: int, out: str, chunk: int) -> None:
+        index = self.index
+        kind = index.kind[eid]
+        if kind == DIR:
+            os.makedirs(out, exist_ok=True)
+            return
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        if kind == SYMLINK:
+            if os.path.lexists(out):
+                os.unlink(out)
+            os.symlink(self.reader.readlink(eid), out)
+            return
+        tmp = out + ".cdmlfs-partial"
+        with open(tmp, "wb") as f:
+            raw = MemberFile(self.reader, eid, index.paths[eid])
+            shutil.copyfileobj(raw, f, chunk)
+        os.chmod(tmp, index.mode[eid])
+        mtime = index.mtime[eid]
+        os.utime(tmp, (mtime, mtime))
+        os.replace(tmp, out)
+
+
+class MemberFile(io.RawIOBase):
+    """Raw, seekable reads of one member through the extent reader."""
+
+    def __init__(self, reader: ExtentReader, eid: int, name: str) -> None:
+        self._reader = reader
+        self._eid = eid
+        self._pos = 0
+        self._size = reader.index.size[reader.index.data_entry(eid)]
+        self.name = name
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_SET:
+            pos = offset
+        elif whence == io.SEEK_CUR:
+            pos = self._pos + offset
+        elif whence == io.SEEK_END:
+            pos = self._size + offset
+        else:
+            raise ValueError(f"invalid whence {whence}")
+        if pos < 0:
+            raise OSError(22, "negative seek position")
+        self._pos = pos
+        return pos
+
+    def readinto(self, buf) -> int:  # type: ignore[override]
+        data = self._reader.read(self._eid, self._pos, len(buf))
+        n = len(data)
+        buf[:n] = data
+        self._pos += n
+        return n
+
+    def readall(self) -> bytes:
+        data = self._reader.read(self._eid, self._pos, max(self._size - self._pos, 0))
+        self._pos += len(data)
+        return data
+
+    @property
+    def size(self) -> int:
+        return self._size

@@ -1,0 +1,156 @@
+"""One byte-bounded LRU for every decoded extent, with reservations so the bound is strict.
+
+A plain LRU bounds what it *holds*, but a decoder allocates its output before
+the result is inserted: with a full cache, N concurrent decodes would briefly
+hold the limit plus N outputs. Decoders therefore ``reserve`` their output
+size first; the reservation evicts entries until held + reserved + new fits
+the limit, or waits when other reservations already fill it. Held + reserved
+never exceeds ``limit``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
+
+from cachetools import LRUCache
+
+
+def _nbytes(value: object) -> int:
+    n = getattr(value, "nbytes", None)
+    return n if isinstance(n, int) else len(value)  # type: ignore[arg-type]
+
+
+class CacheStats:
+    """Counters for ``cdmlfs stats`` (updated under the cache lock)."""
+
+    def __init__(self) -> None:
+        self.hits = 0
+        self.misses = 0
+        self.inserted_bytes = 0
+        self.evictions = 0
+        self.uncacheable = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+class ExtentCache:
+    """Thread-safe LRU of decoded extents, bounded in bytes (values: bytes or objects with ``nbytes``)."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError("cache limit must be >= 0")
+        self.limit = limit
+        self._lru: LRUCache = LRUCache(maxsize=max(limit, 1), getsizeof=_nbytes)
+        self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
+        self._reserved = 0
+        self.stats = CacheStats()
+
+    @property
+    def held(self) -> int:
+        return self._lru.currsize
+
+    @property
+    def reserved(self) -> int:
+        return self._reserved
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def get(self, key: Hashable):
+        with self._lock:
+            value = self._lru.get(key)
+            if value is None:
+                self.stats.misses += 1
+            else:
+                self.stats.hits += 1
+            return value
+
+    def peek(self, key: Hashable):
+        """Look up without counting a hit or miss, nor refreshing recency."""
+        with self._lock:
+            return self._lru.get(key) if key in self._lru else None
+
+    def put(self, key: Hashable, value: object) -> bool:
+        """Insert (evicting LRU entries); returns False when the value can never fit."""
+        size = _nbytes(value)
+        with self._lock:
+            if size > self.limit - self._reserved:
+                self.stats.uncacheable += 1
+                return False
+            self._evict_locked(size + self._reserved)
+            self._lru[key] = value
+            self.stats.inserted_bytes += size
+            return True
+
+    def discard(self, key: Hashable) -> None:
+        with self._lock:
+            self._lru.pop(key, None)
+            self._room.notify_all()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._lru.clear()
+            self._room.notify_all()
+
+    @contextmanager
+    def reserve(self, nbytes: int) -> Iterator[Reservation]:
+        """Hold room for ``nbytes`` about to be allocated by a decoder.
+
+        Evicts as needed; blocks while other reservations fill the cache. The
+        decoder hands its result to ``Reservation.commit``, which turns the
+        reservation into a cache entry atomically. A request larger than the
+        whole limit is a caller bug (decoders split large members into bounded
+        extents), so it raises.
+        """
+        if nbytes > self.limit:
+            raise ValueError(f"reservation of {nbytes} bytes exceeds the cache limit of {self.limit}")
+        with self._room:
+            while self._reserved + nbytes > self.limit:
+                self._room.wait()
+            self._reserved += nbytes
+            self._evict_locked(self._reserved)
+        token = Reservation(self, nbytes)
+        try:
+            yield token
+        finally:
+            with self._room:
+                self._reserved -= token.remaining
+                token.remaining = 0
+                self._room.notify_all()
+
+    def _commit(self, token: Reservation, key: Hashable, value: object) -> None:
+        size = _nbytes(value)
+        with self._room:
+            self._reserved -= token.remaining
+            token.remaining = 0
+            if size <= self.limit - self._reserved:
+                self._evict_locked(size + self._reserved)
+                self._lru[key] = value
+                self.stats.inserted_bytes += size
+            else:
+                self.stats.uncacheable += 1
+            self._room.notify_all()
+
+    def _evict_locked(self, room: int) -> None:
+        lru = self._lru
+        while lru and lru.currsize + room > self.limit:
+            lru.popitem()
+            self.stats.evictions += 1
+
+
+class Reservation:
+    """Room held in an :class:`ExtentCache` for one decode (see ``ExtentCache.reserve``)."""
+
+    __slots__ = ("_cache", "remaining")
+
+    def __init__(self, cache: ExtentCache, nbytes: int) -> None:
+        self._cache = cache
+        self.remaining = nbytes
+
+    def commit(self, key: Hashable, value: object) -> None:
+        """Insert the decoded value in place of the reservation."""
+        self._cache._commit(self, key, value)

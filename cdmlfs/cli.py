@@ -1,0 +1,336 @@
+"""The ``cdmlfs`` command: mount / umount / ls / cat / extract / doctor.
+
+Every failure the user can cause (bad archive, missing file, bad mount point,
+bad option) ends as one line on stderr and a non-zero exit: 1 for a runtime
+failure, 2 for a usage error. Tracebacks only with ``--verbose``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import stat as statmod
+import sys
+import time
+
+from cdmlfs import __version__
+from cdmlfs.errors import CdmlfsError, UsageError
+
+log = logging.getLogger("cdmlfs")
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'512M', '2G', '1.5GiB', '4096' -> bytes (binary units: 1K = 1024)."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (examples: 512M, 2G, 1048576)")
+    number, unit = float(m.group(1)), m.group(2).lower()
+    power = " kmgtp".index(unit) if unit else 0
+    return int(number * (1024**power))
+
+
+def parse_fuse_options(values: list[str]) -> dict[str, str | bool]:
+    opts: dict[str, str | bool] = {}
+    for value in values:
+        for item in value.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            key, sep, val = item.partition("=")
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise UsageError(f"invalid FUSE option {item!r}")
+            opts[key] = val if sep else True
+    return opts
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="cdmlfs: %(levelname)s: %(message)s"
+        if not verbose
+        else "%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if not verbose:
+        logging.getLogger("mfusepy").setLevel(logging.ERROR)
+
+
+def _source_options(args: argparse.Namespace) -> dict:
+    opts = {}
+    for key in ("endpoint_url", "region", "no_sign_request", "profile", "index_dir"):
+        value = getattr(args, key, None)
+        if value not in (None, False):
+            opts[key] = value
+    return opts
+
+
+def _open_archive(args: argparse.Namespace, cache_size: int | None = None):
+    from cdmlfs.archive import DEFAULT_CACHE_SIZE, Archive
+
+    progress = _progress_bar() if sys.stderr.isatty() else None
+    try:
+        return Archive(
+            args.source,
+            cache_size=cache_size or getattr(args, "cache_size", None) or DEFAULT_CACHE_SIZE,
+            progress=progress,
+            **_source_options(args),
+        )
+    finally:
+        if progress is not None:
+            progress.close()
+
+
+class _progress_bar:
+    """Shows indexing progress for long scans only (no flicker for a fast ZIP directory)."""
+
+    def __init__(self) -> None:
+        self._bar = None
+        self._start = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._bar is None:
+            if time.monotonic() - self._start < 1.0:
+                return
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, desc="indexing", leave=False)
+        self._bar.total = total
+        self._bar.n = done
+        self._bar.refresh()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+# -- commands -------------------------------------------------------------------
+def cmd_mount(args: argparse.Namespace) -> int:
+    from cdmlfs.daemon import ServeOptions, log_path_for, mount_daemon, serve
+    from cdmlfs.mountpoints import check_mountpoint
+
+    fuse_options = parse_fuse_options(args.options or [])
+    nonempty = bool(fuse_options.pop("nonempty", False))
+    if args.cache_size < (16 << 20):
+        raise UsageError("--cache-size must be at least 16M")
+    mountpoint = check_mountpoint(args.mountpoint, allow_nonempty=nonempty)
+    if not os.path.exists("/dev/fuse"):
+        raise CdmlfsError(
+            "/dev/fuse is missing: load the fuse module or run the container with --device /dev/fuse"
+        )
+    archive = _open_archive(args)
+    opts = ServeOptions(
+        mountpoint=mountpoint,
+        threads=args.threads,
+        fuse_options=fuse_options,
+        debug=args.debug,
+        pid_file=os.path.abspath(args.pid_file) if args.pid_file else None,
+    )
+    if args.foreground:
+        serve(archive, opts)
+        return 0
+    log_file = args.log_file or log_path_for(mountpoint)
+    return mount_daemon(archive, opts, log_file, args.verbose)
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    from cdmlfs.mountpoints import unmount
+
+    unmount(args.mountpoint)
+    return 0
+
+
+def _format_mode(mode: int) -> str:
+    return statmod.filemode(mode)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    archive = _open_archive(args, cache_size=64 << 20)
+    with archive:
+        st = archive.stat(args.path, follow_symlinks=True)
+        if not st.is_dir:
+            rows = [archive.stat(args.path, follow_symlinks=False)]
+            prefix = ""
+        elif args.recursive:
+            idx = archive.index
+            top = idx.lookup(st.path)
+            rows = [idx.stat(e) for e in idx.walk(top)]
+            prefix = ""
+        else:
+            rows = archive.scandir(args.path)
+            prefix = ""
+        out = sys.stdout
+        for r in rows:
+            name = r.path if args.recursive or not st.is_dir else r.path.rpartition("/")[2]
+            if r.is_dir and (args.recursive or not args.long):
+                name += "/"
+            if args.long:
+                when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.mtime))
+                line = f"{_format_mode(r.mode)} {r.size:>12} {when} {prefix}{name}"
+                if r.is_symlink:
+                    line += f" -> {archive.reader.readlink(archive.index.lookup(r.path))}"
+                out.write(line + "\n")
+            else:
+                out.write(prefix + name + "\n")
+    return 0
+
+
+def cmd_cat(args: argparse.Namespace) -> int:
+    archive = _open_archive(args, cache_size=64 << 20)
+    with archive:
+        out = sys.stdout.buffer
+        for path in args.paths:
+            with archive.open(path) as f:
+                while chunk := f.read(1 << 20):
+                    out.write(chunk)
+        out.flush()
+    return 0
+
+
+def cmd_extract(args: argparse.Namespace) -> int:
+    archive = _open_archive(args, cache_size=64 << 20)
+    with archive:
+        os.makedirs(args.directory, exist_ok=True)
+        for path in args.paths:
+            out = archive.extract(path, args.directory)
+            if args.verbose:
+                print(out)
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from cdmlfs import inflate
+
+    name, detail = inflate.backend()
+    print(f"cdmlfs {__version__}")
+    print(f"inflate backend: {name} ({detail})")
+    try:
+        from cdmlfs.fuse_ops import load_mfusepy
+
+        mfusepy = load_mfusepy()
+        version = f"{mfusepy.fuse_version_major}.{mfusepy.fuse_version_minor}"
+        print(f"libfuse: {mfusepy._libfuse_path} (version {version})")
+    except Exception as exc:  # report, do not crash: this command diagnoses broken setups
+        print(f"libfuse: unavailable ({exc})")
+    print(f"/dev/fuse: {'present' if os.path.exists('/dev/fuse') else 'missing'}")
+    import shutil
+
+    for tool in ("fusermount3", "fusermount"):
+        print(f"{tool}: {shutil.which(tool) or 'not found'}")
+    return 0
+
+
+def _version_string() -> str:
+    try:
+        from cdmlfs import inflate
+
+        name, detail = inflate.backend()
+        return f"cdmlfs {__version__} (inflate: {name}, {detail})"
+    except Exception:
+        return f"cdmlfs {__version__}"
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one line (the full usage is one ``--help`` away)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(
+        prog="cdmlfs",
+        description="Mount ZIP / tar.zst archives (local or S3) as read-only directories, no extraction.",
+    )
+    parser.add_argument("--version", action="version", version=_version_string())
+    common = _OneLineParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", help="more logging (and tracebacks)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("mount", parents=[common], help="mount an archive as a read-only directory")
+    p.add_argument("source", help="archive path or URI (data.zip, data.tar.zst)")
+    p.add_argument("mountpoint", help="an existing empty directory")
+    p.add_argument("-f", "--foreground", action="store_true", help="serve in the foreground (logs to stderr)")
+    p.add_argument(
+        "--cache-size",
+        type=parse_size,
+        default=512 << 20,
+        metavar="SIZE",
+        help="RAM for decoded data, e.g. 512M, 2G (default 512M)",
+    )
+    p.add_argument(
+        "-o",
+        dest="options",
+        action="append",
+        metavar="OPT[,OPT...]",
+        help="FUSE mount options, e.g. allow_other",
+    )
+    p.add_argument(
+        "--threads",
+        choices=("auto", "single", "multi"),
+        default="auto",
+        help="FUSE serving loop: single-threaded is fastest for local files, "
+        "multithreaded for network sources (default: auto)",
+    )
+    p.add_argument("--log-file", help="daemon log (default ~/.local/state/cdmlfs/<mountpoint>.log)")
+    p.add_argument("--pid-file", help="write the serving process id here (removed on exit)")
+    p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_mount)
+
+    p = sub.add_parser("umount", parents=[common], help="unmount (also clears a dead mount)")
+    p.add_argument("mountpoint")
+    p.set_defaults(func=cmd_umount)
+
+    p = sub.add_parser("ls", parents=[common], help="list archive contents without mounting")
+    p.add_argument("source")
+    p.add_argument("path", nargs="?", default="")
+    p.add_argument("-l", "--long", action="store_true", help="mode, size, mtime")
+    p.add_argument("-R", "--recursive", action="store_true")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("cat", parents=[common], help="write members to stdout")
+    p.add_argument("source")
+    p.add_argument("paths", nargs="+")
+    p.set_defaults(func=cmd_cat)
+
+    p = sub.add_parser("extract", parents=[common], help="copy members (or folders) out of the archive")
+    p.add_argument("source")
+    p.add_argument("paths", nargs="+")
+    p.add_argument("-C", "--directory", default=".", help="destination directory (default .)")
+    p.set_defaults(func=cmd_extract)
+
+    p = sub.add_parser("doctor", parents=[common], help="show which accelerators and FUSE library are in use")
+    p.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(getattr(args, "verbose", False))
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        print(f"cdmlfs: {exc}", file=sys.stderr)
+        return 2
+    except CdmlfsError as exc:
+        if args.verbose:
+            log.exception("failed")
+        print(f"cdmlfs: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except OSError as exc:
+        if args.verbose:
+            log.exception("failed")
+        print(f"cdmlfs: {exc.strerror or exc}{': ' + exc.filename if exc.filename else ''}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

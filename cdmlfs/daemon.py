@@ -1,0 +1,239 @@
+"""Mount lifecycle: serve in the foreground, or fork a daemon and return once the mount answers.
+
+The archive is opened (and its index built) *before* forking, so a bad archive
+fails the command in the user's terminal and nothing is ever mounted. The
+daemon reports readiness through a pipe from libfuse's ``init`` callback; the
+parent then checks that the mount point answers and exits 0. If the child dies
+first, the parent prints the reason (the daemon log's last line) and makes sure
+no mount is left behind.
+
+SIGTERM, SIGINT and SIGHUP are handled by libfuse: the loop ends and the mount
+is removed before the process exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import logging
+import os
+import select
+import sys
+import time
+from dataclasses import dataclass, field
+
+from cdmlfs.archive import Archive
+from cdmlfs.errors import CdmlfsError
+from cdmlfs.fuse_ops import ArchiveOperations, load_mfusepy, make_fuse_class
+from cdmlfs.mountpoints import is_mounted, unmount
+
+log = logging.getLogger(__name__)
+
+READY = b"R"
+MOUNT_TIMEOUT = 60.0
+
+
+@dataclass
+class ServeOptions:
+    mountpoint: str
+    threads: str = "auto"  # "single", "multi" or "auto" (single for local files, multi for network sources)
+    fuse_options: dict[str, str | bool] = field(default_factory=dict)
+    debug: bool = False
+    pid_file: str | None = None
+
+    def multithreaded(self, archive: Archive) -> bool:
+        if self.threads == "auto":
+            return bool(getattr(archive.source, "prefers_threads", False))
+        return self.threads == "multi"
+
+
+def _tune_malloc(multithreaded: bool) -> None:
+    """Keep freed decode buffers from pinning memory: the cache bound is only real if RSS follows it.
+
+    glibc raises its mmap threshold dynamically after large frees, after which
+    multi-MiB buffers come from the heap and fragment it; a fixed threshold
+    returns them to the OS on free. Fewer arenas bound per-thread heaps.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_mmap_threshold = -3
+    m_arena_max = -8
+    libc.mallopt(m_mmap_threshold, 256 * 1024)
+    libc.mallopt(m_arena_max, 4 if multithreaded else 1)
+
+
+def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> None:
+    """Run the FUSE loop until unmounted or signalled. Blocks."""
+    mfusepy = load_mfusepy()
+    ops = ArchiveOperations(archive)
+    multithreaded = opts.multithreaded(archive)
+
+    def ready() -> None:
+        if ready_fd is not None:
+            try:
+                os.write(ready_fd, READY)
+                os.close(ready_fd)
+            except OSError:
+                pass
+        log.info(
+            "mounted %s on %s (%d entries, cache %s, %s)",
+            archive.location,
+            opts.mountpoint,
+            len(archive.index) - 1,
+            _human(archive.cache.limit),
+            "multithreaded" if multithreaded else "single-threaded",
+        )
+
+    mounted_once = []
+    ops.ready_callback = lambda: (mounted_once.append(True), ready())
+    fuse_kwargs: dict = {
+        "fsname": f"cdmlfs:{archive.location}".replace(",", "_"),
+        "subtype": "cdmlfs",
+        "ro": True,
+        "default_permissions": True,
+        "foreground": True,
+        "nothreads": not multithreaded,
+        "debug": opts.debug,
+    }
+    if mfusepy.fuse_version_major == 2:
+        fuse_kwargs.update(
+            use_ino=True, kernel_cache=True, entry_timeout=3600, attr_timeout=3600, negative_timeout=3600
+        )
+    fuse_kwargs.update(opts.fuse_options)
+    _tune_malloc(multithreaded)
+    gc.collect()
+    gc.freeze()  # the index never changes: keep the collector from walking it
+    fuse_cls = make_fuse_class(mfusepy)
+    if opts.pid_file:
+        with open(opts.pid_file, "w") as f:
+            f.write(f"{os.getpid()}\n")
+    try:
+        fuse_cls(ops, opts.mountpoint, raw_fi=True, encoding="utf-8", errors="surrogateescape", **fuse_kwargs)
+    except RuntimeError as exc:
+        # libfuse's main returns non-zero when its loop ended on SIGTERM/SIGINT/SIGHUP; after a
+        # successful mount that is the normal way to stop, and libfuse has unmounted by now.
+        if not mounted_once:
+            raise RuntimeError(
+                f"libfuse could not mount {opts.mountpoint} (fuse_main returned {exc})"
+            ) from None
+        log.info("unmounted %s (loop ended with status %s)", opts.mountpoint, exc)
+    else:
+        log.info("unmounted %s", opts.mountpoint)
+    finally:
+        if opts.pid_file:
+            with contextlib.suppress(OSError):
+                os.unlink(opts.pid_file)
+
+
+def log_path_for(mountpoint: str) -> str:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    safe = os.path.abspath(mountpoint).strip("/").replace("/", "_") or "root"
+    return os.path.join(base, "cdmlfs", f"{safe}.log")
+
+
+def mount_daemon(archive: Archive, opts: ServeOptions, log_file: str, verbose: bool) -> int:
+    """Fork a daemon that serves ``archive``; return an exit code once the mount answers (or fails)."""
+    os.makedirs(os.path.dirname(log_file), exist_ok=True)
+    log_start = os.path.getsize(log_file) if os.path.exists(log_file) else 0
+    rfd, wfd = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # child: become the daemon
+        os.close(rfd)
+        code = 1
+        try:
+            os.setsid()
+            _redirect_stdio(log_file)
+            _configure_daemon_logging(verbose)
+            serve(archive, opts, ready_fd=wfd)
+            code = 0
+        except BaseException as exc:  # the parent reads the reason from the log
+            logging.getLogger("cdmlfs").error("daemon failed: %s", _one_line(exc))
+        finally:
+            logging.shutdown()
+            os._exit(code)
+    os.close(wfd)
+    ok = _wait_ready(rfd, pid)
+    os.close(rfd)
+    if ok and _answers(opts.mountpoint):
+        if verbose:
+            print(f"cdmlfs: mounted {archive.location} on {opts.mountpoint} (pid {pid}, log {log_file})")
+        return 0
+    reason = _last_log_line(log_file, log_start) or "the daemon exited before the mount was ready"
+    if is_mounted(opts.mountpoint):
+        with contextlib.suppress(CdmlfsError):
+            unmount(opts.mountpoint)
+    print(f"cdmlfs: mount failed: {reason} (log: {log_file})", file=sys.stderr)
+    return 1
+
+
+def _wait_ready(rfd: int, pid: int) -> bool:
+    deadline = time.monotonic() + MOUNT_TIMEOUT
+    while time.monotonic() < deadline:
+        readable, _, _ = select.select([rfd], [], [], 0.5)
+        if readable:
+            return os.read(rfd, 1) == READY
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return False
+    return False
+
+
+def _answers(mountpoint: str) -> bool:
+    try:
+        os.stat(mountpoint)
+        return is_mounted(mountpoint)
+    except OSError:
+        return False
+
+
+def _redirect_stdio(log_file: str) -> None:
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    out = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+
+
+def _configure_daemon_logging(verbose: bool) -> None:
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    logging.getLogger("mfusepy").setLevel(logging.WARNING if not verbose else logging.DEBUG)
+
+
+def _last_log_line(path: str, start: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    # Prefer libfuse's own complaint ("fuse: ...") or our error line.
+    for ln in reversed(lines):
+        if "fuse:" in ln or "ERROR" in ln:
+            return ln.split(": ", 1)[-1] if "ERROR" in ln else ln
+    return lines[-1] if lines else ""
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

@@ -1,0 +1,160 @@
+"""Streaming decoders for the methods that are not on the deflate hot path.
+
+bzip2 (12), LZMA (14), Zstandard (93) and xz (95) members are decoded through
+file-like streams whose ``read(n)`` never returns more than ``n`` bytes, so a
+member that lies about its size cannot make us allocate more than we asked
+for. The same streams serve whole small members and bounded forward chunks of
+large ones (see :mod:`cdmlfs.reader`).
+"""
+
+from __future__ import annotations
+
+import bz2
+import io
+import lzma
+import struct
+import zlib
+
+from cdmlfs.errors import CorruptMemberError, SourceError, UnsupportedMethodError
+from cdmlfs.index import BZIP2, DEFLATE, LZMA, STORED, XZ, ZSTD
+from cdmlfs.sources.base import Source
+
+METHOD_NAMES = {
+    STORED: "stored",
+    1: "shrink",
+    6: "implode",
+    DEFLATE: "deflate",
+    9: "deflate64",
+    BZIP2: "bzip2",
+    LZMA: "lzma",
+    ZSTD: "zstd",
+    XZ: "xz",
+    97: "wavpack",
+    98: "ppmd",
+    99: "aes-encrypted",
+}
+STREAM_METHODS = frozenset({DEFLATE, BZIP2, LZMA, ZSTD, XZ})
+
+
+def method_name(method: int) -> str:
+    return METHOD_NAMES.get(method, f"method {method}")
+
+
+class SourceSlice(io.RawIOBase):
+    """A byte range of a source as a sequential raw stream (for the stdlib decompressors)."""
+
+    def __init__(self, source: Source, offset: int, length: int, chunk: int = 1 << 20) -> None:
+        self._source = source
+        self._start = offset
+        self._end = offset + length
+        self._pos = offset
+        self._chunk = chunk
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:  # type: ignore[override]
+        n = min(len(buf), self._end - self._pos, self._chunk)
+        if n <= 0:
+            return 0
+        data = self._source.read_at(self._pos, n)
+        buf[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+class _ZlibRawStream(io.RawIOBase):
+    """Raw deflate as a bounded stream (used for forward decoding when checkpoints are not wanted)."""
+
+    def __init__(self, raw: io.RawIOBase) -> None:
+        self._raw = raw
+        self._d = zlib.decompressobj(-15)
+        self._pending = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:  # type: ignore[override]
+        out = []
+        want = n
+        while want > 0 and not self._d.eof:
+            if not self._pending:
+                self._pending = self._raw.read(1 << 20) or b""
+                if not self._pending:
+                    break
+            chunk = self._d.decompress(self._pending, want)
+            self._pending = self._d.unconsumed_tail
+            out.append(chunk)
+            want -= len(chunk)
+        return b"".join(out)
+
+
+def _lzma_zip_filters(header: bytes) -> list[dict]:
+    """ZIP method 14: 2-byte version, 2-byte properties size, then LZMA1 properties."""
+    if len(header) < 9:
+        raise CorruptMemberError("truncated LZMA header")
+    (props_size,) = struct.unpack_from("<H", header, 2)
+    if props_size != 5:
+        raise CorruptMemberError(f"unexpected LZMA properties size {props_size}")
+    d = header[4]
+    if d >= 9 * 5 * 5:
+        raise CorruptMemberError("invalid LZMA properties")
+    lc, d = d % 9, d // 9
+    lp, pb = d % 5, d // 5
+    (dict_size,) = struct.unpack_from("<I", header, 5)
+    return [{"id": lzma.FILTER_LZMA1, "lc": lc, "lp": lp, "pb": pb, "dict_size": dict_size}]
+
+
+def open_stream(source: Source, method: int, offset: int, comp_size: int):
+    """A file-like object with bounded ``read(n)`` over member ``method`` data at ``offset``."""
+    if method == DEFLATE:
+        return _ZlibRawStream(SourceSlice(source, offset, comp_size))
+    if method == BZIP2:
+        return bz2.BZ2File(SourceSlice(source, offset, comp_size))
+    if method == LZMA:
+        header = source.read_at(offset, min(9, comp_size))
+        filters = _lzma_zip_filters(header)
+        return lzma.LZMAFile(
+            SourceSlice(source, offset + 9, comp_size - 9), format=lzma.FORMAT_RAW, filters=filters
+        )
+    if method == XZ:
+        return lzma.LZMAFile(SourceSlice(source, offset, comp_size), format=lzma.FORMAT_XZ)
+    if method == ZSTD:
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(
+            SourceSlice(source, offset, comp_size), read_across_frames=True, closefd=False
+        )
+    raise UnsupportedMethodError(f"compression method {method_name(method)} is not supported")
+
+
+def read_exact(stream, n: int) -> bytes:
+    """Read exactly ``n`` decoded bytes; decoder failures and early ends are corrupt members."""
+    parts = []
+    got = 0
+    try:
+        while got < n:
+            chunk = stream.read(n - got)
+            if not chunk:
+                raise CorruptMemberError("member decodes to fewer bytes than declared")
+            parts.append(chunk)
+            got += len(chunk)
+    except SourceError:
+        raise
+    except CorruptMemberError:
+        raise
+    except (OSError, EOFError, ValueError, lzma.LZMAError, zlib.error) as exc:
+        raise CorruptMemberError(f"corrupt compressed data ({exc})") from exc
+    except Exception as exc:  # zstandard.ZstdError and friends
+        if type(exc).__module__.startswith("zstandard"):
+            raise CorruptMemberError(f"corrupt compressed data ({exc})") from exc
+        raise
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def at_end(stream) -> bool:
+    """True when the stream has no more decoded bytes (a member longer than declared is corrupt)."""
+    try:
+        return not stream.read(1)
+    except Exception:
+        return False

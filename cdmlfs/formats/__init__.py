@@ -1,0 +1,40 @@
+"""Archive formats: each turns a byte source into an index (plus where member bytes live).
+
+``open_format`` sniffs the first and last bytes of the source and picks the
+format; adding a format means adding a module and one entry to ``_SNIFFERS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from cdmlfs.errors import ArchiveFormatError
+from cdmlfs.sources.base import Source
+
+SNIFF_BYTES = 4096
+
+
+def open_format(source: Source, progress: Callable[[int, int], None] | None = None, **options):
+    """Open ``source`` with the format its bytes announce; raise ArchiveFormatError otherwise."""
+    head = source.read_at(0, min(SNIFF_BYTES, source.size)) if source.size else b""
+    tail_len = min(source.size, 65557 + 20)
+    tail = source.read_at(source.size - tail_len, tail_len) if tail_len else b""
+    for sniff, opener in _sniffers():
+        if sniff(head, tail):
+            return opener(source, progress=progress, **options)
+    raise ArchiveFormatError("not a supported archive (expected ZIP, tar or tar.zst)")
+
+
+def _sniffers():
+    from cdmlfs.formats import zip as zipfmt
+
+    def open_zip(source, progress=None, **_):
+        return zipfmt.ZipFormat(source, progress)
+
+    sniffers = [(zipfmt.is_zip, open_zip)]
+    try:
+        from cdmlfs.formats import tar as tarfmt
+    except ImportError:  # tar support not built yet
+        return sniffers
+    sniffers.extend(tarfmt.SNIFFERS)
+    return sniffers

@@ -1,0 +1,386 @@
+"""The archive index: a compact table of entries plus the directory tree.
+
+Formats (ZIP, tar) feed raw entries to :class:`IndexBuilder`; it applies the
+path rules (:mod:`cdmlfs.pathrules`), resolves duplicates and clashes, creates
+the directories implied by file paths and produces an immutable :class:`Index`.
+
+Memory matters: 200k entries must fit in well under 80 MiB, so entries are
+columns (``array``/``bytearray``, one slot per entry) rather than one object
+per entry. Entry 0 is always the root directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import stat as statmod
+from array import array
+from collections.abc import Iterator
+from typing import NamedTuple
+
+from cdmlfs.errors import IsADirectoryError_, NotADirectoryError_, NotFoundError
+from cdmlfs.pathrules import normalize
+
+log = logging.getLogger(__name__)
+
+# Entry kinds.
+FILE = 0
+DIR = 1
+SYMLINK = 2
+
+# Methods: ZIP method numbers where one exists, so the ZIP parser stores them as-is.
+STORED = 0
+DEFLATE = 8
+BZIP2 = 12
+LZMA = 14
+ZSTD = 93
+XZ = 95
+IN_STREAM = 0xFF00  # bytes at `offset` of the archive's decoded container stream (tar, tar.zst)
+
+# Flags.
+ENCRYPTED = 1
+NEEDS_LOCAL_HEADER = 2  # ZIP: `offset` is the local header; the data offset is resolved on first read
+
+DEFAULT_FILE_MODE = 0o644
+DEFAULT_DIR_MODE = 0o755
+PERMISSION_BITS = 0o777  # setuid, setgid, sticky and device bits are never exposed
+
+
+class EntryStat(NamedTuple):
+    """Metadata of one path, as the Python API returns it."""
+
+    path: str
+    kind: int
+    size: int
+    mode: int  # full st_mode, type bits included
+    mtime: float
+    ino: int
+    nlink: int
+    compressed_size: int
+    method: int
+
+    @property
+    def is_dir(self) -> bool:
+        return self.kind == DIR
+
+    @property
+    def is_file(self) -> bool:
+        return self.kind == FILE
+
+    @property
+    def is_symlink(self) -> bool:
+        return self.kind == SYMLINK
+
+
+class Index:
+    """Immutable entry table plus tree. Built only by :class:`IndexBuilder`.
+
+    Columns are indexed by entry id. ``offset`` and ``flags`` are the only
+    columns written after building (a ZIP data offset resolved on first read;
+    the write is idempotent, so racing threads are harmless).
+    """
+
+    __slots__ = (
+        "_children",
+        "_lookup",
+        "comp_size",
+        "crc",
+        "flags",
+        "hardlink_of",
+        "kind",
+        "link_target",
+        "method",
+        "mode",
+        "mtime",
+        "nlink_extra",
+        "offset",
+        "parent",
+        "paths",
+        "size",
+    )
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+        self.kind = bytearray()
+        self.mode = array("H")
+        self.mtime = array("d")
+        self.size = array("Q")
+        self.method = array("H")
+        self.flags = bytearray()
+        self.offset = array("q")
+        self.comp_size = array("Q")
+        self.crc = array("I")
+        self.parent = array("I")
+        self.link_target: dict[int, str] = {}  # symlink targets known at index time (tar)
+        self.hardlink_of: dict[int, int] = {}  # hard link -> entry holding the data (tar)
+        self.nlink_extra: dict[int, int] = {}  # entry with data -> number of extra hard links
+        self._lookup: dict[str, int] = {}
+        self._children: dict[int, array] = {}
+
+    # -- queries ---------------------------------------------------------
+    def __len__(self) -> int:
+        """Number of reachable paths, root included."""
+        return len(self._lookup)
+
+    @property
+    def entry_count(self) -> int:
+        return len(self.paths)
+
+    def lookup(self, path: str) -> int:
+        """Entry id of a path ('' or '/' is the root); raises NotFoundError."""
+        eid = self._lookup.get(path)
+        if eid is None:
+            eid = self._lookup.get(path.strip("/"))
+            if eid is None:
+                raise NotFoundError(f"{path}: no such file or directory in the archive")
+        return eid
+
+    def get(self, path: str) -> int | None:
+        """Entry id of a normalised path without leading '/', or None (the FUSE hot path)."""
+        return self._lookup.get(path)
+
+    def children(self, eid: int) -> array:
+        """Ids of the entries in directory ``eid``, in name order."""
+        if self.kind[eid] != DIR:
+            raise NotADirectoryError_(f"{self.paths[eid]}: not a directory")
+        return self._children.get(eid, _EMPTY)
+
+    def name(self, eid: int) -> str:
+        return self.paths[eid].rpartition("/")[2]
+
+    def st_mode(self, eid: int) -> int:
+        kind = self.kind[eid]
+        type_bits = (
+            statmod.S_IFDIR if kind == DIR else statmod.S_IFLNK if kind == SYMLINK else statmod.S_IFREG
+        )
+        return type_bits | self.mode[eid]
+
+    def inode(self, eid: int) -> int:
+        """Inode number: hard links share the inode of the entry holding the data."""
+        return self.hardlink_of.get(eid, eid) + 1
+
+    def nlink(self, eid: int) -> int:
+        if self.kind[eid] == DIR:
+            return 2 + sum(1 for c in self._children.get(eid, _EMPTY) if self.kind[c] == DIR)
+        return 1 + self.nlink_extra.get(self.hardlink_of.get(eid, eid), 0)
+
+    def data_entry(self, eid: int) -> int:
+        """The entry whose columns describe the bytes of ``eid`` (itself, or a hard link's target)."""
+        return self.hardlink_of.get(eid, eid)
+
+    def require_file(self, eid: int) -> None:
+        if self.kind[eid] == DIR:
+            raise IsADirectoryError_(f"{self.paths[eid]}: is a directory")
+
+    def stat(self, eid: int) -> EntryStat:
+        data = self.data_entry(eid)
+        return EntryStat(
+            path=self.paths[eid],
+            kind=self.kind[eid],
+            size=self.size[data] if self.kind[eid] != DIR else 0,
+            mode=self.st_mode(eid),
+            mtime=self.mtime[eid],
+            ino=self.inode(eid),
+            nlink=self.nlink(eid),
+            compressed_size=self.comp_size[data],
+            method=self.method[data],
+        )
+
+    def walk(self, eid: int = 0) -> Iterator[int]:
+        """All reachable entries below ``eid`` (depth first, name order), ``eid`` excluded."""
+        stack = [iter(self.children(eid))]
+        while stack:
+            for child in stack[-1]:
+                yield child
+                if self.kind[child] == DIR:
+                    stack.append(iter(self._children.get(child, _EMPTY)))
+                break
+            else:
+                stack.pop()
+
+    def files_in_archive_order(self) -> list[int]:
+        """Reachable files with data, sorted by where their bytes lie in the archive.
+
+        Reading in this order is one forward pass over the archive: what a
+        single-frame tar.zst or a remote object wants.
+        """
+        ids = [e for e in self._lookup.values() if self.kind[e] == FILE and e not in self.hardlink_of]
+        ids.sort(key=self.offset.__getitem__)
+        return ids
+
+    def total_file_bytes(self) -> int:
+        return sum(self.size[e] for e in self._lookup.values() if self.kind[e] == FILE)
+
+    def nbytes(self) -> int:
+        """Approximate memory held by the index (for stats and the memory bound)."""
+        import sys
+
+        cols = (self.kind, self.mode, self.mtime, self.size, self.method, self.flags, self.offset)
+        total = sum(c.buffer_info()[1] * c.itemsize if isinstance(c, array) else len(c) for c in cols)
+        total += self.comp_size.buffer_info()[1] * self.comp_size.itemsize
+        total += self.crc.buffer_info()[1] * self.crc.itemsize
+        total += sys.getsizeof(self.paths) + sum(sys.getsizeof(p) for p in self.paths)
+        total += sys.getsizeof(self._lookup) + 28 * len(self._lookup)
+        total += sum(sys.getsizeof(a) for a in self._children.values())
+        return total
+
+
+_EMPTY = array("I")
+
+
+class IndexBuilder:
+    """Collects raw entries from a format parser and produces an :class:`Index`.
+
+    ``add`` is called once per archive entry and is on the mount-time hot path
+    (200k calls must take well under a second), hence the plain positional
+    arguments and the absence of per-entry objects.
+    """
+
+    def __init__(self, implied_dir_mtime: float = 0.0) -> None:
+        """``implied_dir_mtime`` dates the root and directories no entry describes (the archive's mtime)."""
+        self._index = Index()
+        self._dir_ids: dict[str, int] = {"": 0}
+        self._dir_mtime = implied_dir_mtime
+        self.dropped = 0
+        self._add_raw("", DIR, DEFAULT_DIR_MODE, implied_dir_mtime, 0, STORED, 0, 0, 0, 0, 0)
+        self._index._lookup[""] = 0
+
+    def _add_raw(
+        self,
+        path: str,
+        kind: int,
+        mode: int,
+        mtime: float,
+        size: int,
+        method: int,
+        offset: int,
+        comp_size: int,
+        crc: int,
+        flags: int,
+        parent: int,
+    ) -> int:
+        ix = self._index
+        eid = len(ix.paths)
+        ix.paths.append(path)
+        ix.kind.append(kind)
+        ix.mode.append(mode & PERMISSION_BITS)
+        ix.mtime.append(mtime)
+        ix.size.append(size)
+        ix.method.append(method)
+        ix.flags.append(flags)
+        ix.offset.append(offset)
+        ix.comp_size.append(comp_size)
+        ix.crc.append(crc & 0xFFFFFFFF)
+        ix.parent.append(parent)
+        return eid
+
+    def add(
+        self,
+        name: str,
+        kind: int,
+        mode: int,
+        mtime: float,
+        size: int,
+        method: int,
+        offset: int,
+        comp_size: int,
+        crc: int,
+        flags: int = 0,
+    ) -> int | None:
+        """Add one archive entry; returns its id, or None when the path rules drop it."""
+        path = normalize(name)
+        if not path:
+            if kind != DIR:
+                log.warning("skipping member %r: its name refers to the archive root", name)
+                self.dropped += 1
+            return None
+        lookup = self._index._lookup
+        previous = lookup.get(path)
+        if previous is not None:
+            prev_kind = self._index.kind[previous]
+            if prev_kind == DIR and kind != DIR:
+                log.warning("skipping member %r: a directory of the same path wins", name)
+                self.dropped += 1
+                return None
+            if prev_kind == DIR and kind == DIR:
+                # Explicit directory entry after an implied one (or a duplicate): take its metadata.
+                self._index.mode[previous] = mode & PERMISSION_BITS
+                self._index.mtime[previous] = mtime
+                return previous
+        parent_path = path.rpartition("/")[0]
+        parent = self._dir_ids.get(parent_path)
+        if parent is None:
+            parent = self._make_dirs(parent_path)
+        if kind == DIR:
+            eid = self._add_raw(path, DIR, mode, mtime, 0, STORED, 0, 0, 0, 0, parent)
+            self._dir_ids[path] = eid
+        else:
+            eid = self._add_raw(path, kind, mode, mtime, size, method, offset, comp_size, crc, flags, parent)
+        lookup[path] = eid  # the last duplicate wins
+        return eid
+
+    def _make_dirs(self, path: str) -> int:
+        """Create the directories implied by a path; a directory wins over a file of the same path."""
+        missing = []
+        while path not in self._dir_ids:
+            missing.append(path)
+            path = path.rpartition("/")[0]
+        parent = self._dir_ids[path]
+        lookup = self._index._lookup
+        for p in reversed(missing):
+            if p in lookup:
+                log.warning("hiding member %r: it clashes with a directory of the same path", p)
+                self.dropped += 1
+            parent = self._add_raw(p, DIR, DEFAULT_DIR_MODE, self._dir_mtime, 0, STORED, 0, 0, 0, 0, parent)
+            self._dir_ids[p] = parent
+            lookup[p] = parent
+        return parent
+
+    def add_hardlink(self, name: str, target_name: str, mtime: float, mode: int) -> int | None:
+        """A hard link (tar): shares the target's data and inode. Unknown targets are skipped."""
+        target = self._index._lookup.get(normalize(target_name))
+        if target is None or self._index.kind[target] != FILE:
+            log.warning("skipping hard link %r: target %r is not a file seen before it", name, target_name)
+            self.dropped += 1
+            return None
+        target = self._index.hardlink_of.get(target, target)
+        ix = self._index
+        eid = self.add(
+            name,
+            FILE,
+            mode,
+            mtime,
+            ix.size[target],
+            ix.method[target],
+            ix.offset[target],
+            ix.comp_size[target],
+            ix.crc[target],
+            ix.flags[target],
+        )
+        if eid is not None and eid != target:
+            ix.hardlink_of[eid] = target
+            ix.nlink_extra[target] = ix.nlink_extra.get(target, 0) + 1
+        return eid
+
+    def set_link_target(self, eid: int, target: str) -> None:
+        self._index.link_target[eid] = target
+
+    def finish(self) -> Index:
+        """Build the directory tree (children in name order) and return the index."""
+        ix = self._index
+        parent_col = ix.parent
+        children: dict[int, array] = {}
+        for eid in ix._lookup.values():
+            if eid == 0:
+                continue
+            pid = parent_col[eid]
+            arr = children.get(pid)
+            if arr is None:
+                children[pid] = arr = array("I")
+            arr.append(eid)
+        key = ix.paths.__getitem__  # siblings share their parent's prefix: full path order = name order
+        for pid, arr in children.items():
+            if len(arr) > 1:
+                children[pid] = array("I", sorted(arr, key=key))
+        ix._children = children
+        self._dir_ids = {}
+        return ix

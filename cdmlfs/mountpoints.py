@@ -1,0 +1,130 @@
+"""Mount-point checks and unmounting, including dead mounts left by a killed daemon."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import time
+
+from cdmlfs.errors import UsageError
+
+
+def _unescape(field: str) -> str:
+    # /proc/self/mountinfo escapes space, tab, newline and backslash as \ooo.
+    out = []
+    i = 0
+    while i < len(field):
+        octal = field[i + 1 : i + 4]
+        if field[i] == "\\" and len(octal) == 3 and octal.isdigit():
+            out.append(chr(int(octal, 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mount_entry(path: str) -> dict[str, str] | None:
+    """The mountinfo entry whose mount point is ``path`` (last one wins), or None."""
+    target = os.path.realpath(path) if os.path.exists(path) or _is_dead(path) else os.path.abspath(path)
+    found = None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            for line in f:
+                parts = line.split()
+                sep = parts.index("-")
+                if _unescape(parts[4]) == target:
+                    found = {
+                        "mountpoint": target,
+                        "fstype": parts[sep + 1],
+                        "source": _unescape(parts[sep + 2]),
+                    }
+    except OSError:
+        return None
+    return found
+
+
+def _is_dead(path: str) -> bool:
+    # statvfs always reaches the daemon; stat of the mount root may be answered from the attr cache.
+    try:
+        os.statvfs(path)
+    except OSError as exc:
+        return exc.errno == errno.ENOTCONN
+    return False
+
+
+def is_mounted(path: str) -> bool:
+    return mount_entry(path) is not None
+
+
+def is_dead_mount(path: str) -> bool:
+    """True for a FUSE mount whose daemon is gone ("Transport endpoint is not connected")."""
+    return _is_dead(path)
+
+
+def check_mountpoint(path: str, allow_nonempty: bool = False) -> str:
+    """Validate a mount point before doing any work; returns its absolute path."""
+    if _is_dead(path):
+        raise UsageError(f"{path}: a dead mount is still attached here; run 'cdmlfs umount {path}' first")
+    if not os.path.exists(path):
+        raise UsageError(f"{path}: mount point does not exist")
+    if not os.path.isdir(path):
+        raise UsageError(f"{path}: mount point is not a directory")
+    real = os.path.realpath(path)
+    if is_mounted(real):
+        raise UsageError(f"{path}: something is already mounted here")
+    if not allow_nonempty:
+        try:
+            with os.scandir(real) as it:
+                if next(it, None) is not None:
+                    raise UsageError(f"{path}: mount point is not empty (use -o nonempty to mount over it)")
+        except PermissionError:
+            raise UsageError(f"{path}: cannot read mount point (permission denied)") from None
+    return real
+
+
+def unmount(path: str, timeout: float = 10.0) -> None:
+    """Unmount a cdmlfs (or any FUSE) mount, live or dead; lazy unmount as the last resort."""
+    target = os.path.abspath(path)
+    if not is_mounted(target) and not _is_dead(target):
+        raise UsageError(f"{path}: not mounted")
+    attempts = [[tool, "-u", target] for tool in ("fusermount3", "fusermount") if shutil.which(tool)]
+    if os.geteuid() == 0 and shutil.which("umount"):
+        attempts.append(["umount", target])
+    errors = []
+    for cmd in attempts:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode == 0 and _wait_unmounted(target, timeout):
+            return
+        errors.append((res.stderr or res.stdout).strip())
+    # Busy (a process has a file open or its cwd inside): detach now, free when the last user leaves.
+    lazy = [[tool, "-uz", target] for tool in ("fusermount3", "fusermount") if shutil.which(tool)]
+    if os.geteuid() == 0 and shutil.which("umount"):
+        lazy.append(["umount", "-l", target])
+    for cmd in lazy:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode == 0 and _wait_unmounted(target, timeout):
+            return
+        errors.append((res.stderr or res.stdout).strip())
+    detail = next((e for e in errors if e), "unknown error")
+    raise UsageError(f"{path}: could not unmount: {detail}")
+
+
+def _wait_unmounted(path: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not is_mounted(path):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def wait_mounted(path: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if is_mounted(path):
+            return True
+        time.sleep(0.01)
+    return False

@@ -1,0 +1,334 @@
+"""The extent reader: ``read(entry, offset, size)`` for every member, through one bounded cache.
+
+How each kind of member is served:
+
+* **stored** — positioned reads straight from the source, never copied into
+  the cache. The first read of a member up to ``whole_limit`` reads it whole
+  and checks its CRC (the kernel page cache then keeps it); larger stored
+  members are CRC-checked when read sequentially to their end.
+* **deflate, small** (≤ ``whole_limit``) — one call: pread + inflate + CRC
+  (native libdeflate when built), the whole member cached as one extent.
+* **deflate, huge** — a checkpoint index (zran technique) built on first access;
+  a read at any offset inflates at most one interval; intervals and the
+  checkpoint windows are cache entries, so they count against the bound.
+* **bzip2 / LZMA / zstd / xz** — bounded streaming decoders; whole when small,
+  forward chunks when large (a backward read restarts from the member's start).
+* **in-stream** (tar, tar.zst) — the format's container stream splits a byte
+  range into extents (zstd frames) that are decoded and cached one by one.
+
+Every decode reserves its output size in the cache first, so held + in-flight
+decoded bytes never exceed the cache limit.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable
+from typing import Protocol
+
+from cdmlfs import decoders, inflate
+from cdmlfs.cache import ExtentCache
+from cdmlfs.errors import (
+    CorruptMemberError,
+    EncryptedMemberError,
+    MemberError,
+    UnsupportedMethodError,
+)
+from cdmlfs.index import DEFLATE, ENCRYPTED, IN_STREAM, STORED, SYMLINK, Index
+from cdmlfs.sources.base import Source
+
+WHOLE_MEMBER_MAX = 64 << 20
+EXTENT_SIZE = 4 << 20
+MAX_SYMLINK = 4096
+
+
+class ContainerStream(Protocol):
+    """What a container format (tar, tar.zst) offers the reader for IN_STREAM members."""
+
+    def extents(self, offset: int, size: int) -> list[tuple[Hashable, int, int]]:
+        """Extents ``(cache_key, start, length)`` that cover ``[offset, offset + size)`` of the stream."""
+        ...
+
+    def decode(self, key: Hashable) -> bytes:
+        """Decoded bytes of one extent (exactly its length), or raise a MemberError."""
+        ...
+
+
+class ArchiveFormat(Protocol):
+    """An opened archive: its index, its source, and where each member's bytes start."""
+
+    name: str
+    source: Source
+    index: Index
+
+    def data_offset(self, eid: int) -> int: ...
+
+
+class _Forward:
+    """A forward-only decoder positioned at ``pos`` of a member's output."""
+
+    __slots__ = ("lock", "pos", "stream")
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.pos = 0
+        self.lock = threading.Lock()
+
+
+class ExtentReader:
+    """Serves member bytes for the FUSE layer and the Python API."""
+
+    def __init__(self, fmt: ArchiveFormat, cache: ExtentCache) -> None:
+        self.fmt = fmt
+        self.index = fmt.index
+        self.source = fmt.source
+        self.cache = cache
+        self._fd = fmt.source.fileno()
+        self.whole_limit = min(WHOLE_MEMBER_MAX, cache.limit // 4)
+        self.extent_size = max(64 << 10, min(EXTENT_SIZE, cache.limit // 4))
+        self._verified = bytearray(self.index.entry_count)  # stored members whose CRC was checked
+        self._stored_crc: dict[int, tuple[int, int]] = {}  # large stored: (next offset, running crc)
+        self._forward: dict[int, _Forward] = {}
+        self._build_locks: dict[int, threading.Lock] = {}
+        self._lock = threading.Lock()
+        self.stream: ContainerStream | None = getattr(fmt, "stream", None)
+        self.bytes_from_source = 0
+
+    # -- public --------------------------------------------------------------
+    def read(self, eid: int, offset: int, size: int) -> bytes:
+        """Up to ``size`` bytes of member ``eid`` at ``offset`` (short only at end of member)."""
+        ix = self.index
+        if ix.hardlink_of:
+            eid = ix.hardlink_of.get(eid, eid)
+        total = ix.size[eid]
+        if offset >= total or size <= 0:
+            return b""
+        if offset + size > total:
+            size = total - offset
+        method = ix.method[eid]
+        try:
+            if ix.flags[eid] & ENCRYPTED:
+                raise EncryptedMemberError("member is encrypted (reading encrypted members is not supported)")
+            if method == STORED:
+                return self._read_stored(eid, offset, size, total)
+            if method == IN_STREAM:
+                return self._read_in_stream(ix.offset[eid] + offset, size)
+            if method == DEFLATE:
+                if total <= self.whole_limit:
+                    return self._read_whole_deflate(eid, offset, size, total)
+                return self._read_checkpointed(eid, offset, size, total)
+            if method in decoders.STREAM_METHODS:
+                if total <= self.whole_limit:
+                    return self._read_whole_stream(eid, offset, size, total)
+                return self._read_forward(eid, offset, size, total)
+            raise UnsupportedMethodError(
+                f"compression method {decoders.method_name(method)} is not supported"
+            )
+        except MemberError as exc:
+            if exc.member is None:
+                exc.member = ix.paths[eid]
+            raise
+
+    def readlink(self, eid: int) -> str:
+        target = self.index.link_target.get(eid)
+        if target is not None:
+            return target
+        size = self.index.size[eid]
+        if size > MAX_SYMLINK:
+            raise CorruptMemberError(
+                f"symlink target is {size} bytes (more than {MAX_SYMLINK})", self.index.paths[eid]
+            )
+        target = self.read(eid, 0, size).decode("utf-8", "surrogateescape")
+        return target
+
+    def is_symlink(self, eid: int) -> bool:
+        return self.index.kind[eid] == SYMLINK
+
+    # -- stored --------------------------------------------------------------
+    def _read_stored(self, eid: int, offset: int, size: int, total: int) -> bytes:
+        start = self.fmt.data_offset(eid)
+        if self._verified[eid]:
+            self.bytes_from_source += size
+            return self.source.read_at(start + offset, size)
+        crc = self.index.crc[eid]
+        if total <= self.whole_limit:
+            with self.cache.reserve(total):
+                if self._fd is not None:
+                    data = inflate.read_stored(self._fd, start, total, crc)
+                else:
+                    data = self.source.read_at(start, total)
+                    _check_crc(data, crc)
+                self.bytes_from_source += total
+                self._verified[eid] = 1
+                return data if (offset == 0 and size == total) else data[offset : offset + size]
+        # Large stored member: serve directly, verify the CRC as a sequential reader reaches the end.
+        data = self.source.read_at(start + offset, size)
+        self.bytes_from_source += size
+        with self._lock:
+            nxt, running = self._stored_crc.get(eid, (0, 0))
+            if offset == nxt:
+                running = inflate.crc32(data, running)
+                nxt += size
+                if nxt == total:
+                    self._stored_crc.pop(eid, None)
+                    if running != crc:
+                        raise CorruptMemberError(f"CRC mismatch (expected {crc:#010x}, got {running:#010x})")
+                    self._verified[eid] = 1
+                else:
+                    self._stored_crc[eid] = (nxt, running)
+        return data
+
+    # -- deflate -------------------------------------------------------------
+    def _read_whole_deflate(self, eid: int, offset: int, size: int, total: int) -> bytes:
+        cache = self.cache
+        data = cache.get(eid)
+        if data is None:
+            ix = self.index
+            start = self.fmt.data_offset(eid)
+            comp = ix.comp_size[eid]
+            with cache.reserve(total) as room:
+                if self._fd is not None:
+                    data = inflate.read_deflated(self._fd, start, comp, total, ix.crc[eid])
+                else:
+                    data = inflate.inflate(self.source.read_at(start, comp), total, ix.crc[eid])
+                self.bytes_from_source += comp
+                room.commit(eid, data)
+        return data if (offset == 0 and size == total) else data[offset : offset + size]
+
+    def _checkpoints(self, eid: int):
+        from cdmlfs.checkpoints import DeflateCheckpoints
+
+        key = ("ckpt", eid)
+        ck = self.cache.get(key)
+        if ck is not None:
+            return ck
+        with self._lock:
+            lock = self._build_locks.setdefault(eid, threading.Lock())
+        with lock:
+            ck = self.cache.peek(key)
+            if ck is None:
+                ix = self.index
+                ck = DeflateCheckpoints.build(
+                    self._counting_read_at,
+                    self.fmt.data_offset(eid),
+                    ix.comp_size[eid],
+                    ix.size[eid],
+                    ix.crc[eid],
+                    spacing=self.extent_size,
+                )
+                self.cache.put(key, ck)
+        return ck
+
+    def _read_checkpointed(self, eid: int, offset: int, size: int, total: int) -> bytes:
+        ck = self._checkpoints(eid)
+        spacing = ck.spacing
+        parts = []
+        end = offset + size
+        k = offset // spacing
+        while k * spacing < end:
+            key = (eid, k)
+            chunk = self.cache.get(key)
+            if chunk is None:
+                length = min(spacing, total - k * spacing)
+                with self.cache.reserve(length) as room:
+                    chunk = ck.decode_interval(self._counting_read_at, k)
+                    room.commit(key, chunk)
+            lo = max(offset - k * spacing, 0)
+            hi = min(end - k * spacing, len(chunk))
+            parts.append(chunk[lo:hi])
+            k += 1
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    # -- other methods ----------------------------------------------------------
+    def _read_whole_stream(self, eid: int, offset: int, size: int, total: int) -> bytes:
+        data = self.cache.get(eid)
+        if data is None:
+            ix = self.index
+            with self.cache.reserve(total) as room:
+                stream = decoders.open_stream(
+                    self.source, ix.method[eid], self.fmt.data_offset(eid), ix.comp_size[eid]
+                )
+                data = decoders.read_exact(stream, total)
+                if not decoders.at_end(stream):
+                    raise CorruptMemberError("member decodes to more bytes than declared")
+                _check_crc(data, ix.crc[eid])
+                self.bytes_from_source += ix.comp_size[eid]
+                room.commit(eid, data)
+        return data[offset : offset + size]
+
+    def _read_forward(self, eid: int, offset: int, size: int, total: int) -> bytes:
+        """Large non-deflate members: decode forward in extents; a backward read restarts."""
+        spacing = self.extent_size
+        parts = []
+        end = offset + size
+        k = offset // spacing
+        while k * spacing < end:
+            key = (eid, k)
+            chunk = self.cache.get(key)
+            if chunk is None:
+                chunk = self._forward_extent(eid, k, total)
+            lo = max(offset - k * spacing, 0)
+            hi = min(end - k * spacing, len(chunk))
+            parts.append(chunk[lo:hi])
+            k += 1
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _forward_extent(self, eid: int, k: int, total: int) -> bytes:
+        spacing = self.extent_size
+        ix = self.index
+        with self._lock:
+            fw = self._forward.get(eid)
+            if fw is None:
+                if len(self._forward) >= 4:  # decoder states hold windows: keep only a few
+                    self._forward.pop(next(iter(self._forward)))
+                fw = self._forward[eid] = _Forward(None)
+        with fw.lock:
+            chunk = self.cache.peek((eid, k))
+            if chunk is not None:
+                return chunk
+            if fw.stream is None or fw.pos > k * spacing:
+                fw.stream = decoders.open_stream(
+                    self.source, ix.method[eid], self.fmt.data_offset(eid), ix.comp_size[eid]
+                )
+                fw.pos = 0
+            while True:
+                j = fw.pos // spacing
+                length = min(spacing, total - fw.pos)
+                with self.cache.reserve(length) as room:
+                    chunk = decoders.read_exact(fw.stream, length)
+                    fw.pos += length
+                    if fw.pos == total and not decoders.at_end(fw.stream):
+                        raise CorruptMemberError("member decodes to more bytes than declared")
+                    room.commit((eid, j), chunk)
+                if j == k:
+                    return chunk
+
+    # -- containers ----------------------------------------------------------
+    def _read_in_stream(self, offset: int, size: int) -> bytes:
+        stream = self.stream
+        if stream is None:
+            raise UnsupportedMethodError("member lives in a container stream this archive does not have")
+        parts = []
+        end = offset + size
+        for key, start, length in stream.extents(offset, size):
+            chunk = self.cache.get(key)
+            if chunk is None:
+                with self.cache.reserve(length) as room:
+                    chunk = stream.decode(key)
+                    if len(chunk) != length:
+                        raise CorruptMemberError(f"extent decoded to {len(chunk)} bytes instead of {length}")
+                    room.commit(key, chunk)
+            lo = max(offset - start, 0)
+            hi = min(end - start, length)
+            parts.append(chunk if (lo == 0 and hi == length) else chunk[lo:hi])
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _counting_read_at(self, offset: int, length: int) -> bytes:
+        self.bytes_from_source += length
+        return self.source.read_at(offset, length)
+
+
+def _check_crc(data: bytes, crc: int) -> None:
+    got = inflate.crc32(data)
+    if got != crc:
+        raise CorruptMemberError(f"CRC mismatch (expected {crc:#010x}, got {got:#010x})")

@@ -1,0 +1,27 @@
+"""Byte sources: where archive bytes come from (a local file now, S3 later).
+
+Every source offers the same small interface (:class:`~cdmlfs.sources.base.Source`),
+so archive formats never know whether they read a disk or a network.
+"""
+
+from __future__ import annotations
+
+from cdmlfs.sources.base import Source, SourceIdentity
+from cdmlfs.sources.local import LocalFile
+
+__all__ = ["LocalFile", "Source", "SourceIdentity", "open_source"]
+
+
+def open_source(location: str, **options) -> Source:
+    """Open the byte source a user names on the command line or in the Python API.
+
+    ``options`` are source-specific (S3 endpoint, region, ...); local files ignore them.
+    """
+    if "://" in location:
+        scheme = location.split("://", 1)[0].lower()
+        if scheme == "file":
+            return LocalFile(location[len("file://") :])
+        from cdmlfs.errors import UsageError
+
+        raise UsageError(f"unsupported source scheme {scheme!r} in {location!r}")
+    return LocalFile(location)

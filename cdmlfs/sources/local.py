@@ -1,0 +1,74 @@
+"""A local archive file read with positioned reads on one descriptor."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from cdmlfs.errors import SourceError, UsageError
+from cdmlfs.sources.base import SourceIdentity
+
+
+class LocalFile:
+    """``os.pread`` on a single descriptor: thread-safe without locks, no seek state."""
+
+    prefers_threads = False
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(path)
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise UsageError(f"{path}: no such file") from None
+        except IsADirectoryError:
+            raise UsageError(f"{path}: is a directory, not an archive") from None
+        except OSError as exc:
+            raise UsageError(f"{path}: cannot open: {exc.strerror}") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) and not stat.S_ISBLK(st.st_mode):
+            os.close(fd)
+            raise UsageError(f"{path}: not a regular file")
+        self._fd = fd
+        self.size = st.st_size if stat.S_ISREG(st.st_mode) else os.lseek(fd, 0, os.SEEK_END)
+        self.identity = SourceIdentity(self.path, self.size, str(st.st_mtime_ns))
+
+    def fileno(self) -> int | None:
+        return self._fd
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise SourceError(
+                f"{self.path}: read of {length} bytes at {offset} is outside the file ({self.size} bytes)"
+            )
+        try:
+            data = os.pread(self._fd, length, offset)
+        except OSError as exc:
+            raise SourceError(f"{self.path}: read failed at offset {offset}: {exc.strerror}") from exc
+        if len(data) != length:
+            # pread of a regular file only comes back short at EOF: the file shrank under us.
+            parts = [data]
+            got = len(data)
+            while got < length:
+                more = os.pread(self._fd, length - got, offset + got)
+                if not more:
+                    raise SourceError(f"{self.path}: file is shorter than when it was opened")
+                parts.append(more)
+                got += len(more)
+            data = b"".join(parts)
+        return data
+
+    def check_unchanged(self) -> None:
+        """Raise SourceChangedError if the file was replaced or modified since opening."""
+        from cdmlfs.errors import SourceChangedError
+
+        st = os.fstat(self._fd)
+        if st.st_size != self.size or str(st.st_mtime_ns) != self.identity.version:
+            raise SourceChangedError(f"{self.path}: archive changed on disk after it was opened")
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __repr__(self) -> str:
+        return f"LocalFile({self.path!r}, size={self.size})"

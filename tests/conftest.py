@@ -1,0 +1,35 @@
+"""Shared fixtures: real mounts under tmp_path that are always unmounted."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from mountutil import force_unmount, is_mounted
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "fuse: needs /dev/fuse and fusermount")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+
+
+def fuse_available() -> bool:
+    return os.path.exists("/dev/fuse") and bool(shutil.which("fusermount3") or shutil.which("fusermount"))
+
+
+@pytest.fixture
+def mnt(tmp_path: Path):
+    """An empty mount point; whatever gets mounted on it is unmounted at teardown."""
+    if not fuse_available():
+        pytest.skip("FUSE is not available (need /dev/fuse and fusermount3)")
+    path = tmp_path / "mnt"
+    path.mkdir()
+    yield path
+    if is_mounted(path):
+        force_unmount(path)

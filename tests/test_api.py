@@ -1,0 +1,197 @@
+"""The Python API and the no-mount CLI commands (ls, cat, extract) on real archives."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import random
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+from archives import infozip, python_zip, sample_files, text_bytes, write_tree
+from mountutil import run_cli
+
+import cdmlfs
+from cdmlfs.errors import (
+    CorruptMemberError,
+    EncryptedMemberError,
+    NotFoundError,
+    UnsupportedMethodError,
+)
+
+
+@pytest.fixture
+def archive(tmp_path: Path) -> Path:
+    return python_zip(tmp_path / "a.zip", sample_files(), zipfile.ZIP_DEFLATED, dirs=("emptydir/",))
+
+
+def test_list_stat_read(archive: Path) -> None:
+    files = sample_files()
+    with cdmlfs.open(str(archive)) as ar:
+        assert sorted(ar.listdir("")) == sorted(["readme.txt", "data", "ünïcødé", "one_byte", "emptydir"])
+        assert ar.isdir("data/nested") and ar.isfile("data/empty.txt") and not ar.exists("nope")
+        assert sorted(ar.files()) == sorted(files)
+        for name, data in files.items():
+            assert ar.read(name) == data
+            assert ar.stat(name).size == len(data)
+        blob = files["data/random.bin"]
+        for off, n in [(0, 10), (1234, 5000), (len(blob) - 3, 100), (len(blob), 10), (5, 0)]:
+            assert ar.read("data/random.bin", off, n) == blob[off : off + n]
+        walked = {d: (sorted(ds), sorted(fs)) for d, ds, fs in ar.walk()}
+        assert walked["data"] == (["nested"], ["empty.txt", "random.bin", "zeros.bin"])
+        with pytest.raises(NotFoundError):
+            ar.read("missing")
+
+
+def test_file_object_seek_and_read(archive: Path) -> None:
+    blob = sample_files()["data/zeros.bin"]
+    with cdmlfs.open(str(archive)) as ar, ar.open("data/zeros.bin") as f:
+        assert f.read(10) == blob[:10]
+        f.seek(-5, io.SEEK_END)
+        assert f.read() == blob[-5:]
+        f.seek(1000)
+        assert f.tell() == 1000
+        assert f.read(2000) == blob[1000:3000]
+
+
+def test_pickles_small_and_reopens(archive: Path) -> None:
+    with cdmlfs.open(str(archive)) as ar:
+        blob = pickle.dumps(ar)
+        assert len(blob) < 500
+        again = pickle.loads(blob)
+        assert again.read("one_byte") == b"x"
+        again.close()
+
+
+def test_extract_and_archive_order(archive: Path, tmp_path: Path) -> None:
+    with cdmlfs.open(str(archive)) as ar:
+        out = ar.extract("data", str(tmp_path / "out"))
+        assert Path(out, "nested/deep/file.csv").read_bytes() == sample_files()["data/nested/deep/file.csv"]
+        order = ar.archive_order()
+        assert sorted(order) == sorted(sample_files())
+        offsets = [ar.index.offset[ar.index.lookup(p)] for p in order]
+        assert offsets == sorted(offsets)
+
+
+def test_symlinks_resolve_inside_the_archive(tmp_path: Path) -> None:
+    src = write_tree(
+        tmp_path / "src",
+        {"real/f.txt": b"payload"},
+        symlinks={"l1": "real/f.txt", "dirlink": "real", "up": "../../outside", "abs": "/etc/passwd"},
+    )
+    z = infozip(tmp_path / "l.zip", src)
+    with cdmlfs.open(str(z)) as ar:
+        assert ar.read("l1") == b"payload"
+        assert ar.read("dirlink/f.txt") == b"payload"
+        assert ar.readlink("abs") == "/etc/passwd"
+        with pytest.raises(NotFoundError):
+            ar.read("abs")  # never follows a link out of the archive
+        with pytest.raises(NotFoundError):
+            ar.read("up")
+
+
+def _set_method(path: Path, member: str, method: int, flag_or: int = 0) -> None:
+    """Patch a member's method (and flags) in both headers: a real archive a foreign tool could write."""
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo(member)
+    lh = info.header_offset
+    struct.pack_into("<H", data, lh + 8, method)
+    data[lh + 6] |= flag_or
+    cd = data.find(b"PK\x01\x02")
+    while cd >= 0:
+        nlen = struct.unpack_from("<H", data, cd + 28)[0]
+        if bytes(data[cd + 46 : cd + 46 + nlen]) == member.encode():
+            struct.pack_into("<H", data, cd + 10, method)
+            data[cd + 8] |= flag_or
+        cd = data.find(b"PK\x01\x02", cd + 4)
+    path.write_bytes(bytes(data))
+
+
+def test_unsupported_and_encrypted_members_are_listed_but_refuse_to_read(tmp_path: Path) -> None:
+    z = python_zip(tmp_path / "m.zip", {"d64.bin": b"a" * 1000, "enc.bin": b"b" * 1000, "ok.txt": b"fine"})
+    _set_method(z, "d64.bin", 9)  # deflate64
+    _set_method(z, "enc.bin", 8, flag_or=1)  # traditional PKWARE encryption flag
+    with cdmlfs.open(str(z)) as ar:
+        assert sorted(ar.listdir("")) == ["d64.bin", "enc.bin", "ok.txt"]
+        with pytest.raises(UnsupportedMethodError, match="deflate64"):
+            ar.read("d64.bin")
+        with pytest.raises(EncryptedMemberError, match=r"enc\.bin"):
+            ar.read("enc.bin")
+        assert ar.read("ok.txt") == b"fine"
+
+
+def test_zip_bomb_declared_size_mismatch_is_corrupt(tmp_path: Path) -> None:
+    """A member that inflates to more (or less) than its declared size is an error, never truncated data."""
+    z = python_zip(tmp_path / "bomb.zip", {"bomb": bytes(5_000_000), "small": text_bytes(1000)})
+    data = bytearray(z.read_bytes())
+    cd = data.find(b"PK\x01\x02")
+    while cd >= 0:
+        nlen = struct.unpack_from("<H", data, cd + 28)[0]
+        name = bytes(data[cd + 46 : cd + 46 + nlen])
+        if name == b"bomb":
+            struct.pack_into("<I", data, cd + 24, 1000)  # claims 1000 bytes
+        if name == b"small":
+            struct.pack_into("<I", data, cd + 24, 5000)  # claims more than it has
+        cd = data.find(b"PK\x01\x02", cd + 4)
+    z.write_bytes(bytes(data))
+    with cdmlfs.open(str(z)) as ar:
+        assert ar.stat("bomb").size == 1000
+        with pytest.raises(CorruptMemberError):
+            ar.read("bomb")
+        with pytest.raises(CorruptMemberError):
+            ar.read("small")
+
+
+def test_cli_ls_cat_extract(archive: Path, tmp_path: Path) -> None:
+    res = run_cli("ls", str(archive), check=True)
+    assert sorted(res.stdout.decode().split()) == sorted(
+        ["data/", "emptydir/", "one_byte", "readme.txt", "ünïcødé/"]
+    )
+    res = run_cli("ls", "-l", "-R", str(archive), "data", check=True)
+    assert "data/nested/deep/file.csv" in res.stdout.decode()
+    res = run_cli("cat", str(archive), "readme.txt", check=True)
+    assert res.stdout == sample_files()["readme.txt"]
+    out = tmp_path / "x"
+    run_cli("extract", str(archive), "data/random.bin", "ünïcødé", "-C", str(out), check=True)
+    assert (out / "data/random.bin").read_bytes() == sample_files()["data/random.bin"]
+    assert (out / "ünïcødé/名前.txt").read_bytes() == sample_files()["ünïcødé/名前.txt"]
+    res = run_cli("--version", check=True)
+    assert b"cdmlfs" in res.stdout and b"inflate" in res.stdout
+
+
+def test_random_ranges_of_large_members_all_methods(tmp_path: Path) -> None:
+    rng = random.Random(3)
+    blob = text_bytes(3_000_000, 4) + rng.randbytes(500_000)
+    for comp in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA):
+        z = python_zip(tmp_path / f"r{comp}.zip", {"blob": blob}, comp)
+        # A tiny cache forces the large-member paths (checkpoints, forward decoding).
+        with cdmlfs.open(str(z), cache_size=4 << 20) as ar:
+            for _ in range(25):
+                off = rng.randrange(len(blob))
+                n = rng.randrange(1, 300_000)
+                assert ar.read("blob", off, n) == blob[off : off + n], (comp, off, n)
+            assert ar.read("blob") == blob
+
+
+def test_index_memory_is_compact(tmp_path: Path) -> None:
+    z = tmp_path / "many.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        for i in range(20_000):
+            zf.writestr(f"train/c{i % 100:03d}/img_{i:07d}.jpg", b"x")
+    with cdmlfs.open(str(z)) as ar:
+        per_entry = ar.index.nbytes() / 20_000
+    assert per_entry < 300, per_entry  # 200k entries in well under 80 MiB
+
+
+def test_open_missing_file_is_usage_error(tmp_path: Path) -> None:
+    from cdmlfs.errors import UsageError
+
+    with pytest.raises(UsageError):
+        cdmlfs.open(str(tmp_path / "nope.zip"))
+    os.mkdir(tmp_path / "adir")
+    with pytest.raises(UsageError):
+        cdmlfs.open(str(tmp_path / "adir"))

@@ -1,0 +1,372 @@
+"""Real FUSE mounts of ZIPs written by zipfile and Info-ZIP, compared with what `unzip` extracts."""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+from archives import infozip, python_zip, sample_files, text_bytes, write_tree
+from mountutil import daemon_pid, is_mounted, mounted, run_cli, tree, unzip
+
+pytestmark = pytest.mark.fuse
+
+
+def _compare_with_unzip(archive: Path, mnt: Path, tmp_path: Path, *mount_args: str) -> None:
+    expected = tree(unzip(archive, tmp_path / "unzipped"))
+    with mounted(archive, mnt, *mount_args):
+        got = tree(mnt)
+    assert sorted(got) == sorted(expected)
+    for path, exp in expected.items():
+        assert got[path][0] == exp[0], path
+        if exp[0] == "dir":
+            continue  # unzip gives implied directories its umask; explicit ones are checked below
+        assert got[path] == exp, path
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["stored", "deflated", "zip64", "streamed", "bzip2", "lzma"],
+)
+def test_python_zipfile_archives_equal_unzip(kind: str, tmp_path: Path, mnt: Path) -> None:
+    files = sample_files()
+    archive = tmp_path / f"{kind}.zip"
+    if kind == "stored":
+        python_zip(archive, files, zipfile.ZIP_STORED)
+    elif kind == "deflated":
+        python_zip(archive, files, zipfile.ZIP_DEFLATED)
+    elif kind == "zip64":
+        python_zip(archive, files, zipfile.ZIP_DEFLATED, force_zip64=True)
+    elif kind == "streamed":
+        python_zip(archive, files, zipfile.ZIP_DEFLATED, streamed=True)
+        with zipfile.ZipFile(archive) as zf:  # make sure the fixture really has data descriptors
+            assert all(i.flag_bits & 0x08 for i in zf.infolist())
+    elif kind == "bzip2":
+        python_zip(archive, files, zipfile.ZIP_BZIP2)
+    else:
+        python_zip(archive, files, zipfile.ZIP_LZMA)
+    if kind in ("bzip2", "lzma"):
+        # unzip 6.0 cannot extract LZMA; compare with zipfile instead.
+        with zipfile.ZipFile(archive) as zf, mounted(archive, mnt):
+            for info in zf.infolist():
+                assert (mnt / info.filename).read_bytes() == zf.read(info), info.filename
+        return
+    _compare_with_unzip(archive, mnt, tmp_path)
+
+
+@pytest.mark.parametrize("level", [0, 6])
+def test_infozip_archive_with_symlinks_unicode_and_empties(level: int, tmp_path: Path, mnt: Path) -> None:
+    src = write_tree(
+        tmp_path / "src",
+        sample_files(1),
+        symlinks={"data/link_to_csv": "nested/deep/file.csv", "dangling": "nowhere/at/all"},
+        empty_dirs=("empty_dir", "data/also_empty"),
+    )
+    os.chmod(src / "readme.txt", 0o600)
+    os.chmod(src / "one_byte", 0o755)
+    archive = infozip(tmp_path / "info.zip", src, level=level)
+    _compare_with_unzip(archive, mnt, tmp_path)
+    with mounted(archive, mnt):
+        assert (mnt / "data/link_to_csv").read_bytes() == (src / "data/nested/deep/file.csv").read_bytes()
+        assert os.readlink(mnt / "dangling") == "nowhere/at/all"
+        assert sorted(os.listdir(mnt / "empty_dir")) == []
+        st = os.stat(mnt / "data")
+        assert st.st_nlink == 2 + 2  # two subdirectories: nested, also_empty
+
+
+def test_more_than_65535_entries(tmp_path: Path, mnt: Path) -> None:
+    archive = tmp_path / "many.zip"
+    n = 70_000
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as zf:
+        for i in range(n):
+            zf.writestr(f"d{i % 7}/f{i:06d}", f"{i}\n".encode())
+    with mounted(archive, mnt):
+        count = sum(len(files) for _, _, files in os.walk(mnt))
+        assert count == n
+        for i in random.Random(0).sample(range(n), 200):
+            assert (mnt / f"d{i % 7}/f{i:06d}").read_bytes() == f"{i}\n".encode()
+
+
+def test_prefixed_archive_and_trailing_comment(tmp_path: Path, mnt: Path) -> None:
+    files = sample_files(3)
+    plain = python_zip(tmp_path / "plain.zip", files)
+    sfx = tmp_path / "sfx.zip"
+    sfx.write_bytes(b"#!/bin/sh\necho self-extractor stub\nexit 0\n" + b"\0" * 1000 + plain.read_bytes())
+    with zipfile.ZipFile(tmp_path / "commented.zip", "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+        zf.comment = b"trailing comment " * 100
+    for archive in (sfx, tmp_path / "commented.zip"):
+        with mounted(archive, mnt):
+            for name, data in files.items():
+                assert (mnt / name).read_bytes() == data
+
+
+def test_stock_imagefolder_on_mount_equals_extracted(tmp_path: Path, mnt: Path) -> None:
+    torch = pytest.importorskip("torch")
+    datasets = pytest.importorskip("torchvision.datasets")
+    transforms = pytest.importorskip("torchvision.transforms")
+    from PIL import Image
+
+    src = tmp_path / "images"
+    rng = random.Random(0)
+    for cls in ("cat", "dog", "zebra"):
+        (src / cls).mkdir(parents=True)
+        for i in range(6):
+            img = Image.new("RGB", (24 + i, 20), tuple(rng.randrange(256) for _ in range(3)))
+            img.putpixel((3, 4), (1, 2, 3))
+            img.save(src / cls / f"{i}.{'png' if i % 2 else 'jpg'}")
+    archive = infozip(tmp_path / "images.zip", src, level=0)
+    t = transforms.ToTensor()
+    ref = datasets.ImageFolder(str(src), transform=t)
+    with mounted(archive, mnt):
+        got = datasets.ImageFolder(str(mnt), transform=t)
+        assert got.classes == ref.classes
+        assert got.class_to_idx == ref.class_to_idx
+        assert [(os.path.relpath(p, mnt), c) for p, c in got.samples] == [
+            (os.path.relpath(p, src), c) for p, c in ref.samples
+        ]
+        for i in range(len(ref)):
+            a, ya = got[i]
+            b, yb = ref[i]
+            assert ya == yb
+            assert torch.equal(a, b)
+
+
+def _read_all(root: str, names: list[str]) -> dict[str, bytes]:
+    return {n: Path(root, n).read_bytes() for n in names}
+
+
+def test_concurrent_threads_and_processes_byte_exact(tmp_path: Path, mnt: Path) -> None:
+    rng = random.Random(5)
+    files = {f"c{i % 10}/f{i}.bin": rng.randbytes(rng.randint(0, 200_000)) for i in range(300)}
+    files.update({f"t/{i}.txt": text_bytes(rng.randint(1, 300_000), i) for i in range(100)})
+    archive = python_zip(tmp_path / "conc.zip", files, zipfile.ZIP_DEFLATED)
+    names = list(files)
+    with mounted(archive, mnt, "--cache-size", "16M"):
+        errors: list[str] = []
+
+        def worker(seed: int) -> None:
+            order = names[:]
+            random.Random(seed).shuffle(order)
+            for n in order:
+                if (mnt / n).read_bytes() != files[n]:
+                    errors.append(n)
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(4) as pool:
+            async_results = [pool.apply_async(_read_all, (str(mnt), names[s::4])) for s in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for r in async_results:
+                for n, data in r.get(timeout=300).items():
+                    assert data == files[n], n
+        assert errors == []
+
+
+def _flip_byte_in_member(archive: Path, member: str) -> None:
+    with zipfile.ZipFile(archive) as zf:
+        info = zf.getinfo(member)
+    with open(archive, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        nlen, xlen = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+        pos = info.header_offset + 30 + nlen + xlen + info.compress_size // 2
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+@pytest.mark.parametrize("compression", [zipfile.ZIP_DEFLATED, zipfile.ZIP_STORED])
+def test_flipped_byte_gives_eio_on_that_file_only(compression: int, tmp_path: Path, mnt: Path) -> None:
+    files = sample_files(7)
+    files["victim.bin"] = text_bytes(100_000, 9)
+    archive = python_zip(tmp_path / "bad.zip", files, compression)
+    _flip_byte_in_member(archive, "victim.bin")
+    log = tmp_path / "daemon.log"
+    with mounted(archive, mnt, log_file=log):
+        with pytest.raises(OSError) as excinfo:
+            (mnt / "victim.bin").read_bytes()
+        assert excinfo.value.errno == errno.EIO
+        for name, data in files.items():
+            if name != "victim.bin":
+                assert (mnt / name).read_bytes() == data
+        with pytest.raises(OSError):  # still an error the second time, never wrong bytes
+            (mnt / "victim.bin").read_bytes()
+        assert os.listdir(mnt)  # daemon alive
+        pid = daemon_pid(mnt)
+        assert pid is not None
+        os.kill(pid, 0)
+    text = log.read_text()
+    assert "victim.bin" in text and "EIO" in text
+    assert text.count("victim.bin") == 1  # logged once, not per read
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"this is not a zip file at all\n" * 100, None],
+    ids=["empty", "text", "truncated"],
+)
+def test_bad_archive_refused_with_one_line(content: bytes | None, tmp_path: Path, mnt: Path) -> None:
+    bad = tmp_path / "bad.zip"
+    if content is None:
+        good = python_zip(tmp_path / "good.zip", sample_files())
+        bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    else:
+        bad.write_bytes(content)
+    res = run_cli("mount", str(bad), str(mnt))
+    assert res.returncode != 0
+    err = res.stderr.decode().strip()
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+    assert not is_mounted(mnt)
+
+
+def test_cli_errors_are_one_line_and_leave_no_mount(tmp_path: Path, mnt: Path) -> None:
+    good = python_zip(tmp_path / "good.zip", sample_files())
+    nonempty = tmp_path / "nonempty"
+    nonempty.mkdir()
+    (nonempty / "x").write_text("x")
+    cases = [
+        ("mount", str(tmp_path / "missing.zip"), str(mnt)),
+        ("mount", str(good), str(tmp_path / "no-such-dir")),
+        ("mount", str(good), str(nonempty)),
+        ("mount", str(good), str(mnt), "--cache-size", "lots"),
+        ("mount", str(good), str(good)),
+        ("cat", str(good), "no/such/member"),
+        ("umount", str(mnt)),
+    ]
+    for args in cases:
+        res = run_cli(*args)
+        err = res.stderr.decode().strip()
+        assert res.returncode != 0, args
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, (args, err)
+    assert not is_mounted(mnt) and not is_mounted(nonempty)
+    with mounted(good, mnt):
+        res = run_cli("mount", str(good), str(mnt))
+        assert res.returncode != 0 and "already mounted" in res.stderr.decode()
+
+
+def test_read_only_and_metadata(tmp_path: Path, mnt: Path) -> None:
+    archive = python_zip(tmp_path / "ro.zip", sample_files())
+    with mounted(archive, mnt):
+        with pytest.raises(OSError) as e:
+            (mnt / "readme.txt").write_text("x")
+        assert e.value.errno == errno.EROFS
+        with pytest.raises(OSError) as e:
+            (mnt / "new").write_text("x")
+        assert e.value.errno == errno.EROFS
+        with pytest.raises(OSError):
+            os.mkdir(mnt / "newdir")
+        st = os.stat(mnt / "readme.txt")
+        assert st.st_size == 5000 and st.st_nlink == 1
+        assert st.st_mtime == time.mktime((2021, 6, 15, 12, 30, 44, 0, 0, -1))
+        inos = {os.stat(mnt / n).st_ino for n in sample_files()}
+        assert len(inos) == len(sample_files())
+        vfs = os.statvfs(mnt)
+        assert vfs.f_namemax == 255
+        assert shutil.disk_usage(mnt).free == 0
+
+
+def test_sigterm_unmounts_cleanly(tmp_path: Path, mnt: Path) -> None:
+    archive = python_zip(tmp_path / "a.zip", sample_files())
+    with mounted(archive, mnt):
+        pid = daemon_pid(mnt)
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(200):
+            if not is_mounted(mnt):
+                break
+            time.sleep(0.05)
+        assert not is_mounted(mnt)
+        for _ in range(100):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("daemon still running after SIGTERM")
+
+
+def test_umount_clears_dead_mount(tmp_path: Path, mnt: Path) -> None:
+    archive = python_zip(tmp_path / "a.zip", sample_files())
+    with mounted(archive, mnt):
+        pid = daemon_pid(mnt)
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+        with pytest.raises(OSError) as e:
+            os.listdir(mnt)
+        assert e.value.errno == errno.ENOTCONN
+        res = run_cli("mount", str(archive), str(mnt))
+        assert res.returncode != 0 and "dead mount" in res.stderr.decode()
+        res = run_cli("umount", str(mnt))
+        assert res.returncode == 0, res.stderr
+        assert not is_mounted(mnt)
+        assert os.listdir(mnt) == []
+        # and a fresh mount works
+        res = run_cli("mount", str(archive), str(mnt))
+        assert res.returncode == 0, res.stderr
+        assert (mnt / "readme.txt").read_bytes() == sample_files()["readme.txt"]
+
+
+def test_foreground_mode_serves_and_stops_on_sigint(tmp_path: Path, mnt: Path) -> None:
+    import sys
+
+    archive = python_zip(tmp_path / "a.zip", sample_files())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cdmlfs", "mount", "-f", str(archive), str(mnt)], stderr=subprocess.PIPE
+    )
+    try:
+        for _ in range(200):
+            if is_mounted(mnt):
+                break
+            time.sleep(0.05)
+        assert (mnt / "one_byte").read_bytes() == b"x"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+        assert not is_mounted(mnt)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_cache_bound_holds_while_reading_more_than_the_cache(tmp_path: Path, mnt: Path) -> None:
+    from mountutil import hwm_kib, rss_kib
+
+    rng = random.Random(11)
+    files = {f"m{i:03d}.txt": text_bytes(rng.randint(1 << 20, 6 << 20), i) for i in range(60)}
+    archive = python_zip(tmp_path / "big.zip", files, zipfile.ZIP_DEFLATED)
+    total = sum(len(v) for v in files.values())
+    cache_mib = 32
+    assert total > 4 * (cache_mib << 20)
+    with mounted(archive, mnt, "--cache-size", f"{cache_mib}M", "--threads", "multi"):
+        pid = daemon_pid(mnt)
+        base_kib = rss_kib(pid)  # interpreter + index after mounting
+
+        def reader(seed: int) -> None:
+            names = list(files)
+            random.Random(seed).shuffle(names)
+            for n in names:
+                with open(mnt / n, "rb") as f:
+                    assert f.read() == files[n]
+
+        threads = [threading.Thread(target=reader, args=(s,)) for s in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        peak_mib = (hwm_kib(pid) - base_kib) / 1024
+    # Bound: cache + one in-flight member per serving thread + small constant.
+    assert peak_mib < cache_mib + 48, f"daemon grew by {peak_mib:.0f} MiB over its post-mount RSS"
