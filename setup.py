@@ -1,0 +1,97 @@
+"""Build hook for the optional C accelerator ``cdmlfs._native``.
+
+Metadata lives in pyproject.toml; this file only adds the extension. The
+accelerator is optional because cdmlfs works without it (cdmlfs.inflate falls
+back to the stdlib), so a machine without a compiler or libdeflate still gets a
+working install plus a loud warning. CI sets CDMLFS_REQUIRE_NATIVE=1 so that a
+broken build fails there instead of silently testing the slow path.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.errors import CCompilerError, ExecError, PlatformError
+
+REQUIRE_NATIVE = os.environ.get("CDMLFS_REQUIRE_NATIVE") == "1"
+SOURCES = sorted(os.path.join("native", name) for name in os.listdir("native") if name.endswith(".c"))
+
+
+def _warn(message: str) -> None:
+    """Print a warning that stands out in pip's (verbose) build log."""
+    bar = "*" * 78
+    print(f"\n{bar}\nWARNING: {message}\n{bar}\n", file=sys.stderr, flush=True)
+
+
+def _pkg_config(*args: str) -> list[str] | None:
+    """Flags from pkg-config, or None when pkg-config or the package is missing."""
+    try:
+        out = subprocess.run(
+            [os.environ.get("PKG_CONFIG", "pkg-config"), *args],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return shlex.split(out)
+
+
+def _libdeflate_flags() -> tuple[list[str], list[str]]:
+    """Compile and link flags for libdeflate, from pkg-config when it knows them."""
+    cflags = _pkg_config("--cflags", "libdeflate")
+    libs = _pkg_config("--libs", "libdeflate")
+    if cflags is None or libs is None:
+        # No pkg-config or no .pc file: the library may still be in the default
+        # paths; if not, the compile fails and OptionalBuildExt reports it.
+        _warn("pkg-config does not know libdeflate; trying the default paths with -ldeflate")
+        return [], ["-ldeflate"]
+    return cflags, libs
+
+
+class OptionalBuildExt(build_ext):
+    """build_ext that turns a failed accelerator build into a warning.
+
+    Unless CDMLFS_REQUIRE_NATIVE=1: then every failure stays fatal.
+    """
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except (PlatformError, CCompilerError, ExecError, OSError) as exc:
+            self._give_up(exc)
+
+    def build_extension(self, ext: Extension) -> None:
+        # Asked here, not at import, so that pip's several setup.py runs warn once.
+        cflags, libs = _libdeflate_flags()
+        ext.extra_compile_args = [*cflags, "-std=gnu11", "-fvisibility=hidden"]
+        ext.extra_link_args = [*libs, "-lz"]
+        try:
+            super().build_extension(ext)
+        except (PlatformError, CCompilerError, ExecError, OSError) as exc:
+            self._give_up(exc)
+
+    def _give_up(self, exc: Exception) -> None:
+        if REQUIRE_NATIVE:
+            raise exc
+        _warn(
+            f"building the C accelerator cdmlfs._native failed ({exc}).\n"
+            "cdmlfs will work, using the slower pure-Python inflate. To build it, install\n"
+            "a C compiler, pkg-config, libdeflate and zlib headers (Debian: build-essential\n"
+            "pkg-config libdeflate-dev zlib1g-dev) and reinstall."
+        )
+
+
+NATIVE = Extension(
+    "cdmlfs._native",
+    sources=SOURCES,
+    # Lets setuptools skip the missing library when copying editable outputs.
+    optional=not REQUIRE_NATIVE,
+)
+
+setup(ext_modules=[NATIVE], cmdclass={"build_ext": OptionalBuildExt})
