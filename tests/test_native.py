@@ -477,6 +477,7 @@ def _available_memory() -> int:
 
 
 @pytest.mark.skipif(_available_memory() < 8 << 30, reason="needs ~6 GiB of free memory")
+@pytest.mark.slow  # marker registered in tests/conftest.py
 def test_beyond_4_gib(tmp_path):
     """Output past 4 GiB and reads past 2 GiB: 64-bit sizes everywhere, pread loops."""
     native = inflate._native_backend(_native_module())
