@@ -281,9 +281,7 @@ class MemberFile(io.RawIOBase):
         return pos
 
     def readinto(self, buf) -> int:  # type: ignore[override]
-        data = self._reader.read(self._eid, self._pos, len(buf))
-        n = len(data)
-        buf[:n] = data
+        n = self._reader.read_into(self._eid, self._pos, len(buf), buf)
         self._pos += n
         return n
 

@@ -128,6 +128,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         fuse_options=fuse_options,
         debug=args.debug,
         pid_file=os.path.abspath(args.pid_file) if args.pid_file else None,
+        direct_io_min=None if args.direct_io_min == 0 else args.direct_io_min,
+        readahead=args.readahead,
     )
     if args.foreground:
         serve(archive, opts)
@@ -276,6 +278,21 @@ def build_parser() -> argparse.ArgumentParser:
         "multithreaded for network sources (default: auto)",
     )
     p.add_argument("--log-file", help="daemon log (default ~/.local/state/cdmlfs/<mountpoint>.log)")
+    p.add_argument(
+        "--direct-io-min",
+        type=parse_size,
+        default=0,
+        metavar="SIZE",
+        help="members at least this large bypass the kernel page cache; 0 (default) = never, "
+        "which lets the kernel skip open calls entirely (fastest for many files)",
+    )
+    p.add_argument(
+        "--readahead",
+        type=parse_size,
+        default=4 << 20,
+        metavar="SIZE",
+        help="kernel readahead for this mount when running as root (default 4M; FUSE's is 128K)",
+    )
     p.add_argument("--pid-file", help="write the serving process id here (removed on exit)")
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_mount)

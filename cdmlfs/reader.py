@@ -22,6 +22,7 @@ decoded bytes never exceed the cache limit.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Hashable
 from typing import Protocol
@@ -97,6 +98,37 @@ class ExtentReader:
     # -- public --------------------------------------------------------------
     def read(self, eid: int, offset: int, size: int) -> bytes:
         """Up to ``size`` bytes of member ``eid`` at ``offset`` (short only at end of member)."""
+        data = self.view(eid, offset, size)
+        return data if type(data) is bytes else bytes(data)
+
+    def read_into(self, eid: int, offset: int, size: int, out) -> int:
+        """Like ``read`` but into a writable buffer (the FUSE reply buffer): one copy, no garbage.
+
+        Verified stored members of a local archive go straight from the file into
+        ``out`` with one positioned read.
+        """
+        ix = self.index
+        if ix.hardlink_of:
+            eid = ix.hardlink_of.get(eid, eid)
+        out = memoryview(out)
+        if out.format != "B":
+            out = out.cast("B")  # ctypes buffers come as '<c'
+        if self._fd is not None and ix.method[eid] == STORED and self._verified[eid]:
+            total = ix.size[eid]
+            if offset >= total:
+                return 0
+            n = min(size, total - offset)
+            got = os.preadv(self._fd, [out[:n]], ix.offset[eid] + offset)
+            if got == n:
+                self.bytes_from_source += n
+                return n
+        data = self.view(eid, offset, size)
+        n = len(data)
+        out[:n] = data
+        return n
+
+    def view(self, eid: int, offset: int, size: int) -> bytes | memoryview:
+        """Bytes or a memoryview into a cached extent (no copy); the caller must not keep it long."""
         ix = self.index
         if ix.hardlink_of:
             eid = ix.hardlink_of.get(eid, eid)
@@ -138,7 +170,7 @@ class ExtentReader:
             raise CorruptMemberError(
                 f"symlink target is {size} bytes (more than {MAX_SYMLINK})", self.index.paths[eid]
             )
-        target = self.read(eid, 0, size).decode("utf-8", "surrogateescape")
+        target = bytes(self.view(eid, 0, size)).decode("utf-8", "surrogateescape")
         return target
 
     def is_symlink(self, eid: int) -> bool:
@@ -160,7 +192,7 @@ class ExtentReader:
                     _check_crc(data, crc)
                 self.bytes_from_source += total
                 self._verified[eid] = 1
-                return data if (offset == 0 and size == total) else data[offset : offset + size]
+                return _view(data, offset, offset + size)
         # Large stored member: serve directly, verify the CRC as a sequential reader reaches the end.
         data = self.source.read_at(start + offset, size)
         self.bytes_from_source += size
@@ -193,7 +225,7 @@ class ExtentReader:
                     data = inflate.inflate(self.source.read_at(start, comp), total, ix.crc[eid])
                 self.bytes_from_source += comp
                 room.commit(eid, data)
-        return data if (offset == 0 and size == total) else data[offset : offset + size]
+        return _view(data, offset, offset + size)
 
     def _checkpoints(self, eid: int):
         from cdmlfs.checkpoints import DeflateCheckpoints
@@ -235,7 +267,7 @@ class ExtentReader:
                     room.commit(key, chunk)
             lo = max(offset - k * spacing, 0)
             hi = min(end - k * spacing, len(chunk))
-            parts.append(chunk[lo:hi])
+            parts.append(_view(chunk, lo, hi))
             k += 1
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
@@ -254,7 +286,7 @@ class ExtentReader:
                 _check_crc(data, ix.crc[eid])
                 self.bytes_from_source += ix.comp_size[eid]
                 room.commit(eid, data)
-        return data[offset : offset + size]
+        return _view(data, offset, offset + size)
 
     def _read_forward(self, eid: int, offset: int, size: int, total: int) -> bytes:
         """Large non-deflate members: decode forward in extents; a backward read restarts."""
@@ -269,7 +301,7 @@ class ExtentReader:
                 chunk = self._forward_extent(eid, k, total)
             lo = max(offset - k * spacing, 0)
             hi = min(end - k * spacing, len(chunk))
-            parts.append(chunk[lo:hi])
+            parts.append(_view(chunk, lo, hi))
             k += 1
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
@@ -320,12 +352,19 @@ class ExtentReader:
                     room.commit(key, chunk)
             lo = max(offset - start, 0)
             hi = min(end - start, length)
-            parts.append(chunk if (lo == 0 and hi == length) else chunk[lo:hi])
+            parts.append(_view(chunk, lo, hi))
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _counting_read_at(self, offset: int, length: int) -> bytes:
         self.bytes_from_source += length
         return self.source.read_at(offset, length)
+
+
+def _view(data: bytes, lo: int, hi: int) -> bytes | memoryview:
+    """``data[lo:hi]`` without copying (the whole object when the range covers it)."""
+    if lo == 0 and hi >= len(data):
+        return data
+    return memoryview(data)[lo:hi]
 
 
 def _check_crc(data: bytes, crc: int) -> None:

@@ -1,0 +1,326 @@
+#!/usr/bin/env python3
+"""Benchmark: random small-file reads from ZIPs through cdmlfs vs ratarmount vs extracted files.
+
+Prints files/s per tool (median over rounds), ratios against ratarmount and
+against the extracted directory, mount time and daemon RSS after mounting.
+Everything is measured in the same run; tools alternate round by round and
+every round reads a fresh random sample (no file is read twice through one
+mount, so the kernel page cache of the mount never answers for us).
+
+Targets (issue 2): at 8 threads >= 4x ratarmount's files/s; mounting 200,000
+entries in <= 1.2 s; daemon RSS after that mount <= 80 MiB.
+
+Usage: .venv/bin/python scripts/bench_zip.py [--quick] [--rounds 5] [--workdir /tmp/cdmlfs-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RATARMOUNT_VENV = Path(os.environ.get("RATARMOUNT_VENV", "/tmp/bench-venvs/ratarmount"))
+
+
+# -- datasets ------------------------------------------------------------------------
+def _text(rng: random.Random, n: int) -> bytes:
+    words = [b"alpha", b"beta", b"gamma", b"delta", b"tensor", b"batch", b"epoch", b"loss", b"grad", b"label"]
+    out = bytearray()
+    while len(out) < n:
+        out += rng.choice(words) + b" "
+    return bytes(out[:n])
+
+
+def make_small_zip(path: Path, n: int) -> None:
+    """n small members (0.5-4 KiB; text deflated, binary stored), 1,000 class folders."""
+    rng = random.Random(1)
+    tmp = path.with_suffix(".partial")
+    with zipfile.ZipFile(tmp, "w") as zf:
+        for i in range(n):
+            if i % 2:
+                info = zipfile.ZipInfo(f"train/c{i % 1000:04d}/s{i:07d}.txt", (2024, 1, 1, 0, 0, 0))
+                info.compress_type = zipfile.ZIP_DEFLATED
+                zf.writestr(info, _text(rng, rng.randint(512, 4096)))
+            else:
+                info = zipfile.ZipInfo(f"train/c{i % 1000:04d}/s{i:07d}.bin", (2024, 1, 1, 0, 0, 0))
+                zf.writestr(info, rng.randbytes(rng.randint(512, 4096)))
+    tmp.rename(path)
+
+
+def make_stored_zip(path: Path, n: int, size: int) -> None:
+    """n stored members of `size` random bytes (JPEG-like: incompressible, stored)."""
+    rng = random.Random(2)
+    tmp = path.with_suffix(".partial")
+    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as zf:
+        for i in range(n):
+            info = zipfile.ZipInfo(f"images/c{i % 100:03d}/img{i:06d}.jpg", (2024, 1, 1, 0, 0, 0))
+            zf.writestr(info, rng.randbytes(size))
+    tmp.rename(path)
+
+
+def extract(zip_path: Path, dest: Path) -> None:
+    if dest.exists():
+        return
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    subprocess.run(["unzip", "-qq", str(zip_path), "-d", str(tmp)], check=True)
+    tmp.rename(dest)
+
+
+# -- mounts --------------------------------------------------------------------------
+def is_mounted(path: Path) -> bool:
+    target = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == target for line in f)
+
+
+def unmount(path: Path) -> None:
+    cmds = (["fusermount3", "-u", str(path)], ["fusermount", "-u", str(path)], ["umount", "-l", str(path)])
+    for cmd in cmds:
+        if not is_mounted(path):
+            return
+        subprocess.run(cmd, capture_output=True)
+        for _ in range(100):
+            if not is_mounted(path):
+                return
+            time.sleep(0.02)
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class CdmlfsMount:
+    name = "cdmlfs"
+
+    def __init__(self, archive: Path, mnt: Path, extra: list[str]) -> None:
+        self.archive, self.mnt, self.extra = archive, mnt, extra
+        self.pid_file = mnt.with_name(mnt.name + ".pid")
+
+    def __enter__(self) -> CdmlfsMount:
+        self.mnt.mkdir(parents=True, exist_ok=True)
+        unmount(self.mnt)
+        t = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-m", "cdmlfs", "mount", str(self.archive), str(self.mnt),
+             "--pid-file", str(self.pid_file), *self.extra],
+            check=True, cwd=REPO,
+        )  # fmt: skip
+        self.mount_s = time.perf_counter() - t
+        self.pid = int(self.pid_file.read_text())
+        self.rss_after_mount = rss_mib(self.pid)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        unmount(self.mnt)
+
+
+class RatarmountMount:
+    name = "ratarmount"
+
+    def __init__(self, archive: Path, mnt: Path) -> None:
+        self.archive, self.mnt = archive, mnt
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> RatarmountMount:
+        self.mnt.mkdir(parents=True, exist_ok=True)
+        unmount(self.mnt)
+        t = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [str(RATARMOUNT_VENV / "bin" / "ratarmount"), "-f", str(self.archive), str(self.mnt)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        deadline = time.monotonic() + 600
+        while not is_mounted(self.mnt):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ratarmount failed: {self.proc.stderr.read().decode()[-2000:]}")
+            time.sleep(0.02)
+        os.listdir(self.mnt)
+        self.mount_s = time.perf_counter() - t
+        self.pid = self.proc.pid
+        self.rss_after_mount = rss_mib(self.pid)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        unmount(self.mnt)
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def ensure_ratarmount() -> bool:
+    exe = RATARMOUNT_VENV / "bin" / "ratarmount"
+    if exe.exists():
+        return True
+    print(f"installing ratarmount into {RATARMOUNT_VENV} ...", flush=True)
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(RATARMOUNT_VENV)], check=True)
+        subprocess.run([str(RATARMOUNT_VENV / "bin" / "pip"), "install", "-q", "ratarmount"], check=True)
+    except subprocess.CalledProcessError as exc:
+        print(f"ratarmount unavailable ({exc}); skipping it")
+        return False
+    return exe.exists()
+
+
+# -- readers -------------------------------------------------------------------------
+def read_files(root: Path, names: list[str], threads: int) -> float:
+    """Read every file completely with `threads` threads; returns files/s."""
+    chunks = [names[i::threads] for i in range(threads)]
+    errors: list[BaseException] = []
+
+    def work(chunk: list[str]) -> None:
+        try:
+            for n in chunk:
+                with open(root / n, "rb") as f:
+                    f.read()
+        except BaseException as exc:  # report after the timing
+            errors.append(exc)
+
+    ts = [threading.Thread(target=work, args=(c,)) for c in chunks]
+    t = time.perf_counter()
+    for th in ts:
+        th.start()
+    for th in ts:
+        th.join()
+    elapsed = time.perf_counter() - t
+    if errors:
+        raise errors[0]
+    return len(names) / elapsed
+
+
+def bench_dataset(label: str, archive: Path, extracted: Path, names: list[str], work: Path, args) -> dict:
+    rng = random.Random(42)
+    pool = names[:]
+    rng.shuffle(pool)
+    tools = ["cdmlfs", "extracted"] + (["ratarmount"] if args.ratarmount else [])
+    results: dict = {"dataset": label, "files": len(names), "mount": {}, "files_per_s": {}}
+    mounts = {}
+    cd = CdmlfsMount(archive, work / f"mnt-cdmlfs-{label}", args.cdmlfs_args)
+    mounts["cdmlfs"] = cd.__enter__()
+    results["mount"]["cdmlfs"] = {"seconds": cd.mount_s, "rss_mib": cd.rss_after_mount}
+    if args.ratarmount:
+        rm = RatarmountMount(archive, work / f"mnt-rat-{label}")
+        mounts["ratarmount"] = rm.__enter__()
+        results["mount"]["ratarmount"] = {"seconds": rm.mount_s, "rss_mib": rm.rss_after_mount}
+    roots = {"cdmlfs": cd.mnt, "extracted": extracted}
+    if args.ratarmount:
+        roots["ratarmount"] = mounts["ratarmount"].mnt
+    try:
+        for threads in args.threads:
+            per_round = args.files_per_round * (2 if threads > 1 else 1)
+            samples: dict[str, list[float]] = {t: [] for t in tools}
+            for r in range(args.rounds):
+                if len(pool) < per_round:
+                    print(f"  (pool exhausted after {r} rounds)")
+                    break
+                sample = [pool.pop() for _ in range(per_round)]
+                order = tools[r % len(tools) :] + tools[: r % len(tools)]
+                for tool in order:
+                    samples[tool].append(read_files(roots[tool], sample, threads))
+            med = {t: statistics.median(v) for t, v in samples.items() if v}
+            results["files_per_s"][str(threads)] = {"median": med, "rounds": samples}
+            line = "  ".join(f"{t}={v:,.0f}/s" for t, v in med.items())
+            ratios = ""
+            if "ratarmount" in med:
+                ratios += f"  cdmlfs/ratarmount={med['cdmlfs'] / med['ratarmount']:.2f}x"
+            ratios += f"  cdmlfs/extracted={med['cdmlfs'] / med['extracted']:.2f}x"
+            print(f"  {label} {threads:>2} threads: {line}{ratios}", flush=True)
+        results["rss_after_reads_mib"] = {t: rss_mib(m.pid) for t, m in mounts.items()}
+    finally:
+        for m in mounts.values():
+            m.__exit__(None, None, None)
+    return results
+
+
+def mount_timing(archive: Path, work: Path, repeats: int, cdmlfs_args: list[str]) -> dict:
+    times, rss = [], []
+    for _ in range(repeats):
+        with CdmlfsMount(archive, work / "mnt-timing", cdmlfs_args) as m:
+            times.append(m.mount_s)
+            rss.append(m.rss_after_mount)
+    return {"seconds": times, "median_s": statistics.median(times), "rss_mib": rss}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small datasets, few rounds (smoke test)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--files-per-round", type=int, default=2000)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/cdmlfs-bench"))
+    ap.add_argument("--no-ratarmount", dest="ratarmount", action="store_false")
+    ap.add_argument("--cdmlfs-args", nargs=argparse.REMAINDER, default=[], help="extra args for cdmlfs mount")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds = min(args.rounds, 3)
+        args.files_per_round = min(args.files_per_round, 500)
+    n_small = 20_000 if args.quick else 200_000
+    n_stored = 2_000 if args.quick else 20_000
+    work = args.workdir
+    work.mkdir(parents=True, exist_ok=True)
+    small = work / f"small-{n_small}.zip"
+    stored = work / f"stored110k-{n_stored}.zip"
+    t = time.perf_counter()
+    if not small.exists():
+        print(f"building {small} ...", flush=True)
+        make_small_zip(small, n_small)
+    if not stored.exists():
+        print(f"building {stored} ...", flush=True)
+        make_stored_zip(stored, n_stored, 110 * 1024)
+    extract(small, work / f"small-{n_small}.d")
+    extract(stored, work / f"stored110k-{n_stored}.d")
+    print(f"datasets ready in {time.perf_counter() - t:.0f}s", flush=True)
+    if args.ratarmount:
+        args.ratarmount = ensure_ratarmount()
+
+    results: dict = {"machine": {"cpus": os.cpu_count()}, "datasets": []}
+    print(f"\nmount time, {n_small:,} entries (cdmlfs, 5 mounts):", flush=True)
+    timing = mount_timing(small, work, 5, args.cdmlfs_args)
+    results["mount_timing"] = timing
+    print(f"  median {timing['median_s']:.3f}s  (all: {', '.join(f'{x:.3f}' for x in timing['seconds'])})"
+          f"  daemon RSS after mount: {statistics.median(timing['rss_mib']):.1f} MiB")  # fmt: skip
+
+    for label, archive in (("small", small), ("stored110k", stored)):
+        with zipfile.ZipFile(archive) as zf:
+            names = [i.filename for i in zf.infolist() if not i.is_dir()]
+        print(f"\n{label}: {len(names):,} files, {archive.stat().st_size / 2**20:,.0f} MiB", flush=True)
+        res = bench_dataset(label, archive, work / archive.name.replace(".zip", ".d"), names, work, args)
+        for tool, m in res["mount"].items():
+            print(f"  mount {tool}: {m['seconds']:.2f}s, RSS after mount {m['rss_mib']:.1f} MiB")
+        after = res["rss_after_reads_mib"].items()
+        print("  RSS after reads: " + ", ".join(f"{t} {v:.1f} MiB" for t, v in after))
+        results["datasets"].append(res)
+
+    print("\nsummary vs targets:")
+    print(f"  mount {n_small:,} entries: {timing['median_s']:.2f}s (target <= 1.2s)")
+    print(f"  RSS after mount: {statistics.median(timing['rss_mib']):.1f} MiB (target <= 80 MiB)")
+    for res in results["datasets"]:
+        med = res["files_per_s"].get("8", {}).get("median", {})
+        if "ratarmount" in med:
+            ratio = med["cdmlfs"] / med["ratarmount"]
+            print(f"  {res['dataset']} 8 threads: {ratio:.2f}x ratarmount (target >= 4x)")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
