@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -56,7 +57,7 @@ CDMLFS_BIN = _cdmlfs_bin()
 def _why_not() -> str | None:
     if os.geteuid() != 0:
         return "needs root (mount namespaces, bind mounts)"
-    for tool in ("unshare", "nsenter", "fusermount3", "bash", "timeout", "stat"):
+    for tool in ("unshare", "nsenter", "setpriv", "fusermount3", "bash", "timeout", "stat"):
         if not shutil.which(tool):
             return f"{tool} is not installed"
     if not os.path.exists("/dev/fuse"):
@@ -103,6 +104,11 @@ def comm(pid: int) -> str:
         return ""
 
 
+def unescape(field: str) -> str:
+    """A mountinfo path: space, tab, newline and backslash are written as \\ooo."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
 class Sidecar:
     """One run of docker/entrypoint.sh in its own mount namespace ("a container")."""
 
@@ -122,9 +128,7 @@ class Sidecar:
         found: list[int] = []
 
         def has_child() -> bool:
-            found[:] = [
-                c.pid for c in psutil.Process(self.pid).children() if "mount" in " ".join(c.cmdline())
-            ]
+            found[:] = [c.pid for c in psutil.Process(self.pid).children() if "mount" in c.cmdline()]
             return bool(found)
 
         wait_for("the cdmlfs daemon process", has_child, 10)
@@ -140,11 +144,11 @@ class Sidecar:
 class Topology:
     """A private "host" namespace with a shared folder, a trainer and sidecars attached to it."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, mount_name: str = "data") -> None:
         self.tmp = tmp
         self.share = tmp / "share"
         self.share.mkdir()
-        self.mnt = self.share / "data"
+        self.mnt = self.share / mount_name
         self._holders: list[subprocess.Popen] = []
         self._sidecars: list[Sidecar] = []
         self._extra: list[subprocess.Popen] = []
@@ -185,7 +189,7 @@ class Topology:
         found = []
         for line in text.splitlines():
             parts = line.split()
-            if parts[4] == str(self.mnt):
+            if unescape(parts[4]) == str(self.mnt):
                 found.append(parts[parts.index("-") + 1])
         return found
 
@@ -407,7 +411,7 @@ def test_environment_reaches_the_mount(topo: Topology, archive) -> None:
     for expected in ("--foreground", "--cache-size 64M", "-o allow_other", "--threads multi", "--verbose"):
         assert expected in joined, cmdline
     mountinfo = topo.ns(topo.host, "cat", "/proc/self/mountinfo", check=True).stdout
-    line = next(ln for ln in mountinfo.splitlines() if ln.split()[4] == str(topo.mnt))
+    line = next(ln for ln in mountinfo.splitlines() if unescape(ln.split()[4]) == str(topo.mnt))
     assert "allow_other" in line.split(" - ")[1]
     # allow_other: a user other than the daemon's (root) can read the files.
     res = topo.read_as_nobody(topo.trainer, "readme.txt")
@@ -487,3 +491,20 @@ def test_healthcheck_fails_on_a_mount_that_is_not_fuse(topo: Topology) -> None:
     res = topo.healthcheck(topo.host)
     assert res.returncode == 1
     assert "not FUSE" in res.stderr
+
+
+@needs_namespaces
+def test_mount_point_with_spaces_and_backslash(tmp_path: Path, archive) -> None:
+    # mountinfo escapes these; the healthcheck must compare paths the same way.
+    topo = Topology(tmp_path, mount_name="my data\\set")
+    try:
+        path, digests = archive
+        sidecar = topo.start_sidecar(path)
+        topo.wait_healthy(sidecar)
+        assert topo.fuse_mounts(topo.host) == ["fuse.cdmlfs"]
+        assert topo.read_tree(topo.trainer) == digests
+        sidecar.proc.send_signal(signal.SIGTERM)
+        assert sidecar.wait() == 0, sidecar.output()
+        assert topo.fuse_mounts(topo.host) == []
+    finally:
+        topo.close()
