@@ -93,6 +93,9 @@ class ExtentReader:
         self._build_locks: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
         self.stream: ContainerStream | None = getattr(fmt, "stream", None)
+        if self.stream is not None and hasattr(self.stream, "bound_extents"):
+            # A container extent (a whole zstd frame) is reserved in one piece: it must fit this cache.
+            self.stream.bound_extents(self.whole_limit, self.extent_size)
         self.bytes_from_source = 0
 
     # -- public --------------------------------------------------------------

@@ -1,0 +1,428 @@
+"""tar and tar.zst archives: header scan, persisted member index, frame-level random access.
+
+Opening, cheapest path first:
+
+1. a ``cdmlfs pack`` archive carries its member table in a skippable frame
+   listed in the seek table: two small reads, no decoding;
+2. a member table persisted in the index directory for this exact source
+   identity (location, size, mtime; ETag for S3) — see :mod:`cdmlfs.index_store`;
+3. otherwise one streaming scan over the archive (frames are located from
+   the seek table or by walking frame headers; frames without a content size
+   are decoded once to learn it), whose result is persisted for next time.
+
+Member data lives in the decoded stream (index method ``IN_STREAM``, offset =
+data offset in the decoded tar). Reads go through
+:class:`~cdmlfs.formats.zstdstream.ZstdStream` (one zstd frame per extent) or
+:class:`~cdmlfs.formats.zstdstream.RawStream` (plain tar).
+
+Rules for what the mount shows (documented in the README):
+
+* regular files (``0``, ``\\0``, ``7`` contiguous, and unknown type flags,
+  which POSIX says to extract as regular files), directories (``5``, GNU
+  dumpdir ``D``), symlinks (``2``, targets known at index time) and hard
+  links (``1``: same inode as their target, ``st_nlink`` counts them; a link
+  to a member not seen before it, or to a non-file, is skipped with a warning);
+* character/block devices and FIFOs (``3``, ``4``, ``6``) are **skipped**:
+  they carry no data, and a read-only archive mount must not create device
+  nodes; their count is logged once. Sparse files (GNU ``S``, pax
+  ``GNU.sparse.*``) and multi-volume continuations (``M``) are skipped with a
+  warning, volume labels (``V``) silently;
+* names: pax ``path`` > GNU ``L`` long name > ustar prefix/name; link targets:
+  pax ``linkpath`` > GNU ``K`` > ustar linkname; size and mtime from pax when
+  present. Global pax headers (``g``) apply to the members after them, except
+  ``path``, ``linkpath`` and ``size``, which only make sense per member;
+* owner ids are parsed but not shown: like ZIP members, files belong to the
+  mounting user;
+* duplicates follow the ZIP rule (:mod:`cdmlfs.index`): the last one wins, a
+  directory wins over a file of the same path;
+* an archive truncated inside a header ends the listing there (with a
+  warning); members whose data is cut off answer EIO; a corrupt header or a
+  corrupt zstd frame met while scanning refuses the archive (nothing after it
+  could be located reliably).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import time
+from collections.abc import Callable
+
+from cdmlfs.errors import ArchiveFormatError
+from cdmlfs.formats import tarheader as th
+from cdmlfs.formats.tarmembers import HARDLINK, MemberTable, MemberTableError
+from cdmlfs.formats.zstdstream import (
+    FrameTable,
+    RawScanView,
+    RawStream,
+    ZstdScanView,
+    ZstdStream,
+)
+from cdmlfs.index import DIR, FILE, SYMLINK, Index
+from cdmlfs.index_store import IndexStore
+from cdmlfs.sources.base import Source
+from cdmlfs.zstd_seekable import (
+    SKIPPABLE_BASE,
+    Frame,
+    looks_like_zstd,
+    read_seek_table,
+    walk_frames,
+)
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_INDEX_NIBBLE = 0xC  # skippable magic 0x184D2A5C holds a packed archive's member table
+EMBEDDED_INDEX_MAGIC = b"CDMLFS-MEMBERS\x00\x01"
+MAX_META_MEMBER = 16 << 20  # longest pax / GNU long-name payload we accept
+SINGLE_FRAME_WARN = 64 << 20  # frames bigger than this make random reads slow: tell the user
+STORE_KIND_TAR = "tar/1"
+STORE_KIND_TAR_ZST = "tar.zst/1"
+_NO_DATA_TYPES = frozenset((th.LNKTYPE, th.SYMTYPE, th.CHRTYPE, th.BLKTYPE, th.DIRTYPE, th.FIFOTYPE))
+_META_TYPES = frozenset((th.PAX_LOCAL, th.SOLARIS_PAX, th.PAX_GLOBAL, th.GNU_LONGNAME, th.GNU_LONGLINK))
+_PER_MEMBER_ONLY = frozenset(("path", "linkpath", "size"))
+
+
+# -- sniffing ----------------------------------------------------------------------
+def _is_tar_zst(head: bytes, tail: bytes) -> bool:
+    return looks_like_zstd(head)
+
+
+def _is_tar(head: bytes, tail: bytes) -> bool:
+    return th.looks_like_tar(head)
+
+
+def open_tar_zst(source: Source, progress=None, index_dir=None, **_) -> TarFormat:
+    return TarFormat(source, compressed=True, progress=progress, index_dir=index_dir)
+
+
+def open_tar(source: Source, progress=None, index_dir=None, **_) -> TarFormat:
+    return TarFormat(source, compressed=False, progress=progress, index_dir=index_dir)
+
+
+SNIFFERS = [(_is_tar_zst, open_tar_zst), (_is_tar, open_tar)]
+
+
+# -- the scan --------------------------------------------------------------------------
+class _ScanStats:
+    def __init__(self) -> None:
+        self.devices = 0
+        self.sparse = 0
+        self.other = 0
+
+
+def scan_tar(view, members: MemberTable) -> int:
+    """Read every header of the tar stream behind ``view``; returns the offset where the tar ends.
+
+    ``view.read(pos, n)`` returns up to ``n`` bytes of the decoded stream at
+    ``pos`` (fewer only at its end); ``pos`` only moves forward.
+    """
+    pos = 0
+    pax: dict[str, bytes] = {}
+    global_pax: dict[str, bytes] = {}
+    long_name: bytes | None = None
+    long_link: bytes | None = None
+    stats = _ScanStats()
+    read = view.read
+    append = members.append
+    while True:
+        block = read(pos, th.BLOCK)
+        if len(block) < th.BLOCK:
+            if pos == 0:
+                raise ArchiveFormatError("not a tar archive (the stream is shorter than one header)")
+            if block:
+                log.warning("tar stream is truncated at offset %d: listing what came before", pos)
+            break  # ended on a block boundary without the end-of-archive blocks: accepted like GNU tar
+        if block == th.ZERO_BLOCK:
+            nxt = read(pos + th.BLOCK, th.BLOCK)
+            if not nxt or nxt == th.ZERO_BLOCK[: len(nxt)]:
+                break  # end of archive: two zero blocks (or one and the end of the stream)
+            pos += th.BLOCK  # a lone zero block: GNU tar reads on
+            continue
+        try:
+            h = th.parse_header(block)
+        except th.TarHeaderError as exc:
+            if pos == 0:
+                raise ArchiveFormatError(f"not a tar archive ({exc})") from None
+            raise ArchiveFormatError(f"corrupt tar header at offset {pos} of the tar stream: {exc}") from None
+        typeflag = h.typeflag
+        header_end = pos + th.BLOCK
+        if h.old_gnu_sparse_extended:  # old GNU sparse maps continue in extra header blocks
+            while True:
+                ext = read(header_end, th.BLOCK)
+                header_end += th.BLOCK
+                if len(ext) < th.BLOCK or not ext[504]:
+                    break
+        if typeflag in _META_TYPES:
+            if h.size > MAX_META_MEMBER:
+                raise ArchiveFormatError(f"tar extension header at offset {pos} is {h.size} bytes long")
+            data = read(header_end, h.size)
+            if len(data) < h.size:
+                log.warning("tar stream is truncated at offset %d: listing what came before", pos)
+                break
+            try:
+                if typeflag == th.GNU_LONGNAME:
+                    long_name = th._cstr(data)
+                elif typeflag == th.GNU_LONGLINK:
+                    long_link = th._cstr(data)
+                elif typeflag == th.PAX_GLOBAL:
+                    for key, value in th.parse_pax(data).items():
+                        if key in _PER_MEMBER_ONLY:
+                            continue
+                        if value:
+                            global_pax[key] = value
+                        else:
+                            global_pax.pop(key, None)
+                else:
+                    pax.update(th.parse_pax(data))
+            except th.TarHeaderError as exc:
+                raise ArchiveFormatError(f"corrupt pax header at offset {pos}: {exc}") from None
+            pos = header_end + th.round_up(h.size)
+            continue
+        attrs = {**global_pax, **pax} if global_pax else pax
+        size = h.size
+        mtime: float = h.mtime
+        if attrs:
+            size, mtime = _pax_numbers(attrs, size, mtime, pos)
+        raw_name = attrs.get("path") or long_name or h.name
+        raw_link = attrs.get("linkpath") or long_link or h.linkname
+        name = th.decode_name(raw_name)
+        has_data = typeflag not in _NO_DATA_TYPES
+        data_off = header_end
+        pos = header_end + (th.round_up(size) if has_data else 0)
+        pax = {}
+        long_name = long_link = None
+        if typeflag in (th.REGTYPE, th.AREGTYPE, th.CONTTYPE):
+            if any(k.startswith("GNU.sparse.") for k in attrs):
+                stats.sparse += 1
+                log.warning("skipping member %r: sparse files are not supported", name)
+                continue
+            if name.endswith("/") and typeflag != th.CONTTYPE:
+                append(DIR, name, h.mode, mtime, 0, 0)  # pre-POSIX tars mark directories with a slash
+            else:
+                append(FILE, name, h.mode, mtime, size, data_off)
+        elif typeflag in (th.DIRTYPE, th.GNU_DUMPDIR):
+            append(DIR, name, h.mode, mtime, 0, 0)
+        elif typeflag == th.SYMTYPE:
+            append(SYMLINK, name, h.mode, mtime, 0, 0, th.decode_name(raw_link))
+        elif typeflag == th.LNKTYPE:
+            append(HARDLINK, name, h.mode, mtime, 0, 0, th.decode_name(raw_link))
+        elif typeflag in (th.CHRTYPE, th.BLKTYPE, th.FIFOTYPE):
+            stats.devices += 1
+        elif typeflag in (th.GNU_SPARSE, th.GNU_MULTIVOL):
+            stats.sparse += 1
+            log.warning("skipping member %r: sparse files and multi-volume parts are not supported", name)
+        elif typeflag in (th.GNU_VOLHDR, th.GNU_OLD_LONGNAME):
+            stats.other += 1
+        else:
+            log.warning("member %r has unknown type %r: shown as a regular file (POSIX rule)", name, typeflag)
+            append(FILE, name, h.mode, mtime, size, data_off)
+    if stats.devices:
+        log.info("skipped %d device/FIFO members (not exposed by the mount)", stats.devices)
+    return pos
+
+
+def _pax_numbers(attrs: dict[str, bytes], size: int, mtime: float, pos: int) -> tuple[int, float]:
+    try:
+        if "size" in attrs:
+            size = int(attrs["size"])
+        if "mtime" in attrs:
+            mtime = float(attrs["mtime"])
+    except ValueError:
+        raise ArchiveFormatError(f"corrupt pax size/mtime record for the member at offset {pos}") from None
+    if size < 0:
+        raise ArchiveFormatError(f"negative member size at offset {pos}")
+    return size, mtime
+
+
+# -- the format ------------------------------------------------------------------------
+class TarFormat:
+    """A tar or tar.zst archive opened on a source: index + container stream."""
+
+    def __init__(
+        self,
+        source: Source,
+        compressed: bool,
+        progress: Callable[[int, int], None] | None = None,
+        index_dir: str | None = None,
+    ) -> None:
+        self.source = source
+        self.name = "tar.zst" if compressed else "tar"
+        self.index_source = ""  # "embedded", "cache" or "scan": how the member table was obtained
+        self.store = IndexStore(index_dir)
+        try:
+            self._mtime = float(source.identity.version) / 1e9
+        except ValueError:
+            self._mtime = 0.0
+        if compressed:
+            members, frames = self._open_zstd(progress)
+            self.stream: ZstdStream | RawStream = ZstdStream(source, frames)
+            self._warn_large_frames(frames)
+        else:
+            members = self._open_tar(progress)
+            self.stream = RawStream(source)
+        self.members_count = len(members)
+        self.index: Index = members.build_index(self._mtime)
+
+    def data_offset(self, eid: int) -> int:
+        return self.index.offset[eid]
+
+    # -- plain tar ----------------------------------------------------------------------
+    def _open_tar(self, progress) -> MemberTable:
+        payload = self.store.load(self.source.identity, STORE_KIND_TAR)
+        if payload is not None:
+            try:
+                members = MemberTable.decode(payload)
+                if members.data_end() <= self.source.size:
+                    self.index_source = "cache"
+                    return members
+            except MemberTableError as exc:
+                log.info("ignoring cached index: %s", exc)
+        members = MemberTable()
+        view = RawScanView(self.source, progress)
+        started = time.monotonic()
+        end = scan_tar(view, members)
+        view.finish(end)
+        members.stream_size = self.source.size
+        self.index_source = "scan"
+        log.debug("scanned %d tar members in %.2fs", len(members), time.monotonic() - started)
+        self.store.save(self.source.identity, STORE_KIND_TAR, members.encode())
+        return members
+
+    # -- tar.zst -------------------------------------------------------------------------
+    def _open_zstd(self, progress) -> tuple[MemberTable, FrameTable]:
+        seek_frames = read_seek_table(self.source)
+        if seek_frames is not None:
+            members = self._embedded_members(seek_frames)
+            if members is not None:
+                self.index_source = "embedded"
+                return members, FrameTable.from_frames(seek_frames)
+        cached = self._cached_zstd()
+        if cached is not None:
+            self.index_source = "cache"
+            return cached
+        frames = seek_frames if seek_frames is not None else walk_frames(self.source, progress)
+        if not any(not f.skippable for f in frames):
+            raise ArchiveFormatError("zstd file holds no data frames")
+        view = ZstdScanView(self.source, frames, progress)
+        started = time.monotonic()
+        members = MemberTable()
+        try:
+            end = scan_tar(view, members)
+            view.finish(end)
+        except ArchiveFormatError as exc:
+            if len(members) == 0 and "not a tar" in str(exc):
+                raise ArchiveFormatError("zstd data that is not a tar archive") from None
+            raise
+        table = view.frame_table()
+        members.stream_size = table.total
+        self.index_source = "scan"
+        log.debug(
+            "scanned %d members in %.2fs (%d of %d frames decoded)",
+            len(members),
+            time.monotonic() - started,
+            view.decoded_frames,
+            len(frames),
+        )
+        self._save_zstd(members, table)
+        return members, table
+
+    def _embedded_members(self, frames: list[Frame]) -> MemberTable | None:
+        """The member table a ``cdmlfs pack`` archive stores in its last listed skippable frame."""
+        for frame in reversed(frames):
+            if frame.content_size:
+                return None  # only skippable frames after the last data frame are looked at
+            if frame.comp_size < 8 + len(EMBEDDED_INDEX_MAGIC) + 8:
+                continue
+            head = self.source.read_at(frame.offset, 8 + len(EMBEDDED_INDEX_MAGIC))
+            magic, length = struct.unpack_from("<II", head)
+            if magic != SKIPPABLE_BASE | EMBEDDED_INDEX_NIBBLE or head[8:] != EMBEDDED_INDEX_MAGIC:
+                continue
+            if length + 8 != frame.comp_size:
+                log.warning("embedded index frame has the wrong size: scanning the archive instead")
+                return None
+            body = self.source.read_at(frame.offset + 8, length)
+            try:
+                members = decode_embedded_index(body)
+            except ValueError as exc:
+                log.warning("embedded index is unusable (%s): scanning the archive instead", exc)
+                return None
+            total = sum(f.content_size or 0 for f in frames)
+            if members.stream_size != total or members.data_end() > total:
+                log.warning("embedded index does not match the seek table: scanning the archive instead")
+                return None
+            return members
+        return None
+
+    def _cached_zstd(self) -> tuple[MemberTable, FrameTable] | None:
+        payload = self.store.load(self.source.identity, STORE_KIND_TAR_ZST)
+        if payload is None:
+            return None
+        try:
+            (n,) = struct.unpack_from("<Q", payload)
+            frames = FrameTable.decode(payload[8 : 8 + n], self.source.size)
+            members = MemberTable.decode(memoryview(payload)[8 + n :])
+            if members.stream_size != frames.total or members.data_end() > frames.total:
+                raise ValueError("member table and frame table disagree")
+        except (ValueError, struct.error) as exc:
+            log.info("ignoring cached index: %s; rescanning", exc)
+            return None
+        return members, frames
+
+    def _save_zstd(self, members: MemberTable, frames: FrameTable) -> None:
+        frame_bytes = frames.encode()
+        payload = struct.pack("<Q", len(frame_bytes)) + frame_bytes + members.encode()
+        self.store.save(self.source.identity, STORE_KIND_TAR_ZST, payload)
+
+    def _warn_large_frames(self, frames: FrameTable) -> None:
+        largest = frames.largest()
+        if largest <= SINGLE_FRAME_WARN:
+            return
+        big = sum(1 for s in frames.dec_size if s > SINGLE_FRAME_WARN)
+        where = self.source.identity.location
+        log.warning(
+            "%s: %s of up to %d MiB: reading members in archive order is one pass, but random "
+            "reads decode from the start of a frame and are slow. For fast random access, "
+            "convert it once: cdmlfs pack %s OUTPUT.tar.zst",
+            where,
+            "one zstd frame" if len(frames) == 1 else f"{big} zstd frames",
+            largest >> 20,
+            where,
+        )
+
+
+# -- embedded index (written by cdmlfs pack) ----------------------------------------------
+def encode_embedded_index(members: MemberTable) -> bytes:
+    """Payload of the skippable frame a packed archive carries: magic, header, zstd(member table)."""
+    import zlib
+
+    import zstandard
+
+    body = zstandard.ZstdCompressor(level=9).compress(members.encode())
+    header = json.dumps({"crc32": zlib.crc32(body), "length": len(body)}).encode()
+    return EMBEDDED_INDEX_MAGIC + struct.pack("<I", len(header)) + header + body
+
+
+def decode_embedded_index(payload: bytes) -> MemberTable:
+    import zlib
+
+    import zstandard
+
+    if not payload.startswith(EMBEDDED_INDEX_MAGIC):
+        raise ValueError("not a cdmlfs member table")
+    pos = len(EMBEDDED_INDEX_MAGIC)
+    (hlen,) = struct.unpack_from("<I", payload, pos)
+    pos += 4
+    try:
+        header = json.loads(payload[pos : pos + hlen])
+        crc, length = int(header["crc32"]), int(header["length"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"bad header ({exc})") from None
+    body = payload[pos + hlen :]
+    if len(body) != length or zlib.crc32(body) != crc:
+        raise ValueError("checksum mismatch")
+    try:
+        plain = zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 32)
+    except zstandard.ZstdError as exc:
+        raise ValueError(str(exc)) from None
+    return MemberTable.decode(plain)

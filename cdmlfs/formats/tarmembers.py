@@ -1,0 +1,177 @@
+"""The member list of a tar stream as compact columns, with one binary encoding.
+
+A tar scan (reading every header of a foreign archive) is the expensive part
+of opening a tar or tar.zst; its result is this table. The same bytes are
+persisted in the index cache (:mod:`cdmlfs.index_store`) and embedded in
+archives that ``cdmlfs pack`` writes, so both remounts and packed archives
+skip the scan. The table records members *as the archive states them* (raw
+names, hard links by name); :meth:`MemberTable.build_index` replays them
+through :class:`~cdmlfs.index.IndexBuilder`, so path rules and duplicate
+handling are applied in exactly one place, identically for fresh scans and
+cached tables.
+
+Encoding (little endian): a JSON header line, then the columns as raw arrays,
+then names and link targets as NUL-separated UTF-8 (surrogate escapes keep
+non-UTF-8 bytes). NUL never occurs in a name (tar fields are C strings; pax
+values are normalised the same way :mod:`cdmlfs.pathrules` would).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from array import array
+
+from cdmlfs.index import DIR, FILE, IN_STREAM, SYMLINK, Index, IndexBuilder
+
+HARDLINK = 3  # member kinds: FILE, DIR, SYMLINK from cdmlfs.index, plus this one
+ENCODING_VERSION = 1
+
+
+class MemberTableError(ValueError):
+    """Encoded bytes that do not describe a member table (corrupt, truncated, other version)."""
+
+
+class MemberTable:
+    """Members in archive order: kind, mode, mtime, size, data offset in the stream, name, link."""
+
+    __slots__ = ("kind", "links", "mode", "mtime", "names", "offset", "size", "stream_size")
+
+    def __init__(self) -> None:
+        self.kind = bytearray()
+        self.mode = array("H")
+        self.mtime = array("d")
+        self.size = array("Q")
+        self.offset = array("Q")
+        self.names: list[str] = []
+        self.links: dict[int, str] = {}
+        self.stream_size = 0  # bytes of the decoded stream the members were found in
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def append(
+        self, kind: int, name: str, mode: int, mtime: float, size: int, offset: int, link: str = ""
+    ) -> None:
+        if "\0" in name:
+            name = name.replace("\0", "_")
+        self.kind.append(kind)
+        self.mode.append(mode & 0o7777)
+        self.mtime.append(mtime)
+        self.size.append(size)
+        self.offset.append(offset)
+        self.names.append(name)
+        if kind in (SYMLINK, HARDLINK):
+            self.links[len(self.names) - 1] = link.replace("\0", "_")
+
+    def data_end(self) -> int:
+        """Largest end offset of any member's data (must lie within the stream)."""
+        end = 0
+        for k, off, size in zip(self.kind, self.offset, self.size):
+            if k == FILE and off + size > end:
+                end = off + size
+        return end
+
+    # -- index ---------------------------------------------------------------
+    def build_index(self, implied_dir_mtime: float = 0.0) -> Index:
+        """Replay the members through the index builder (path rules, duplicates, hard links)."""
+        builder = IndexBuilder(implied_dir_mtime=implied_dir_mtime)
+        add = builder.add
+        links = self.links
+        names = self.names
+        for i, (kind, mode, mtime, size, offset) in enumerate(
+            zip(self.kind, self.mode, self.mtime, self.size, self.offset)
+        ):
+            if kind == FILE:
+                add(names[i], FILE, mode, mtime, size, IN_STREAM, offset, size, 0)
+            elif kind == DIR:
+                add(names[i], DIR, mode, mtime, 0, IN_STREAM, 0, 0, 0)
+            elif kind == SYMLINK:
+                target = links[i]
+                length = len(target.encode("utf-8", "surrogateescape"))
+                eid = add(names[i], SYMLINK, mode or 0o777, mtime, length, IN_STREAM, 0, 0, 0)
+                if eid is not None:
+                    builder.set_link_target(eid, target)
+            else:
+                builder.add_hardlink(names[i], links[i], mtime, mode)
+        return builder.finish()
+
+    # -- encoding --------------------------------------------------------------
+    def encode(self) -> bytes:
+        link_ids = array("I", sorted(self.links))
+        header = {
+            "v": ENCODING_VERSION,
+            "n": len(self.names),
+            "links": len(link_ids),
+            "stream_size": self.stream_size,
+        }
+        names = "\0".join(self.names).encode("utf-8", "surrogateescape")
+        link_text = "\0".join(self.links[i] for i in link_ids).encode("utf-8", "surrogateescape")
+        header["names_bytes"] = len(names)
+        header["links_bytes"] = len(link_text)
+        parts = [json.dumps(header, separators=(",", ":")).encode() + b"\n"]
+        for col in (self.mode, self.mtime, self.size, self.offset, link_ids):
+            parts.append(_le_bytes(col))
+        parts += [bytes(self.kind), names, link_text]
+        return b"".join(parts)
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> MemberTable:
+        data = memoryview(data)
+        nl = bytes(data[:4096]).find(b"\n")
+        if nl < 0:
+            raise MemberTableError("member table header missing")
+        try:
+            header = json.loads(bytes(data[:nl]))
+            if header.get("v") != ENCODING_VERSION:
+                raise MemberTableError(f"member table version {header.get('v')} is not supported")
+            n = int(header["n"])
+            n_links = int(header["links"])
+            names_bytes = int(header["names_bytes"])
+            links_bytes = int(header["links_bytes"])
+            stream_size = int(header["stream_size"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise MemberTableError(f"bad member table header ({exc})") from None
+        table = cls()
+        table.stream_size = stream_size
+        pos = nl + 1
+        cols = []
+        for typecode, count in (("H", n), ("d", n), ("Q", n), ("Q", n), ("I", n_links)):
+            col = array(typecode)
+            nbytes = count * col.itemsize
+            if pos + nbytes > len(data):
+                raise MemberTableError("member table is truncated")
+            col.frombytes(data[pos : pos + nbytes])
+            if sys.byteorder != "little":
+                col.byteswap()
+            cols.append(col)
+            pos += nbytes
+        if pos + n + names_bytes + links_bytes != len(data):
+            raise MemberTableError("member table has the wrong length")
+        table.mode, table.mtime, table.size, table.offset, link_ids = cols
+        table.kind = bytearray(data[pos : pos + n])
+        pos += n
+        try:
+            names = bytes(data[pos : pos + names_bytes]).decode("utf-8", "surrogateescape")
+            pos += names_bytes
+            link_text = bytes(data[pos : pos + links_bytes]).decode("utf-8", "surrogateescape")
+        except UnicodeDecodeError as exc:
+            raise MemberTableError(f"member table text is not UTF-8 ({exc})") from None
+        table.names = names.split("\0") if n else []
+        links = link_text.split("\0") if n_links else []
+        if len(table.names) != n or len(links) != n_links or max(table.kind, default=0) > HARDLINK:
+            raise MemberTableError("member table columns disagree")
+        table.links = dict(zip(link_ids, links))
+        if any(table.kind[i] not in (SYMLINK, HARDLINK) for i in table.links) or any(
+            k in (SYMLINK, HARDLINK) and i not in table.links for i, k in enumerate(table.kind)
+        ):
+            raise MemberTableError("member table links disagree with member kinds")
+        return table
+
+
+def _le_bytes(col: array) -> bytes:
+    if sys.byteorder == "little":
+        return col.tobytes()
+    swapped = array(col.typecode, col)
+    swapped.byteswap()
+    return swapped.tobytes()

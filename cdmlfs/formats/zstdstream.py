@@ -1,0 +1,487 @@
+"""The decoded byte stream of a tar container, as extents the reader can cache.
+
+Tar members live at offsets of one byte stream: the file itself for a plain
+``.tar``, the decompressed output for ``.tar.zst``. The extent reader asks a
+*container stream* which extents cover a byte range and how to decode one
+(:class:`cdmlfs.reader.ContainerStream`); the classes here answer:
+
+* :class:`RawStream` — plain tar: fixed 256 KiB blocks read straight from the source.
+* :class:`ZstdStream` — tar.zst: one extent per zstd frame, decoded in one call
+  when it fits the reader's per-decode budget (``whole_max``). A larger frame
+  (``tar --zstd`` writes one frame for the whole archive) is served in
+  ``piece``-sized extents by a forward-only decoder per frame that stays where
+  the last read ended: reading in archive order costs one decoding pass; a
+  read behind the decoder restarts it at the frame's start. Such a frame's
+  checksum is verified when its last piece is decoded.
+
+The scan views (:class:`RawScanView`, :class:`ZstdScanView`) are forward-only
+readers used once, to build the tar index. The zstd one decodes frame by frame
+with bounded reads, learns the size of frames whose header does not give it,
+and skips frames of known size that hold only member data.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+import zstandard
+
+from cdmlfs.errors import ArchiveFormatError, CorruptMemberError
+from cdmlfs.sources.base import Source
+from cdmlfs.zstd_seekable import Frame, parse_frame_header
+
+RAW_BLOCK = 256 << 10
+DEFAULT_WHOLE_MAX = 16 << 20
+DEFAULT_PIECE = 4 << 20
+MAX_CURSORS = 4  # forward decoders kept alive (each holds a window of up to 128 MiB... usually 2-8 MiB)
+SCAN_CHUNK = 1 << 20
+MAX_WINDOW = 1 << 27  # same default limit as the zstd CLI (windowLog 27); larger needs --long archives
+
+
+def _zstd_error(exc: Exception, what: str) -> CorruptMemberError:
+    return CorruptMemberError(f"corrupt zstd data in {what} ({exc})")
+
+
+class _SourceRange(io.RawIOBase):
+    """A byte range of a source as a sequential raw stream, optionally reporting progress."""
+
+    def __init__(
+        self,
+        source: Source,
+        start: int,
+        length: int,
+        on_read: Callable[[int], None] | None = None,
+    ) -> None:
+        self._source = source
+        self._pos = start
+        self._end = start + length
+        self._on_read = on_read
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:  # type: ignore[override]
+        n = min(len(buf), self._end - self._pos)
+        if n <= 0:
+            return 0
+        data = self._source.read_at(self._pos, n)
+        buf[:n] = data
+        self._pos += n
+        if self._on_read is not None:
+            self._on_read(self._pos)
+        return n
+
+
+# -- frame table -----------------------------------------------------------------
+class FrameTable:
+    """Data frames (skippable and empty frames dropped): where each lies and which bytes it decodes to."""
+
+    __slots__ = ("comp_offset", "comp_size", "dec_offset", "dec_size", "total")
+
+    def __init__(self) -> None:
+        self.comp_offset = array("Q")
+        self.comp_size = array("Q")
+        self.dec_offset = array("Q")
+        self.dec_size = array("Q")
+        self.total = 0
+
+    def __len__(self) -> int:
+        return len(self.dec_size)
+
+    def add(self, comp_offset: int, comp_size: int, dec_size: int) -> None:
+        if dec_size == 0:
+            return
+        self.comp_offset.append(comp_offset)
+        self.comp_size.append(comp_size)
+        self.dec_offset.append(self.total)
+        self.dec_size.append(dec_size)
+        self.total += dec_size
+
+    @classmethod
+    def from_frames(cls, frames: list[Frame]) -> FrameTable:
+        table = cls()
+        for f in frames:
+            if f.skippable:
+                continue
+            if f.content_size is None:
+                raise ValueError("frame sizes must be known")
+            table.add(f.offset, f.comp_size, f.content_size)
+        return table
+
+    def largest(self) -> int:
+        return max(self.dec_size, default=0)
+
+    def encode(self) -> bytes:
+        head = array("Q", [len(self)]).tobytes()
+        return head + self.comp_offset.tobytes() + self.comp_size.tobytes() + self.dec_size.tobytes()
+
+    @classmethod
+    def decode(cls, data: bytes, source_size: int) -> FrameTable:
+        """Inverse of :meth:`encode`; raises ValueError unless every frame lies inside the source."""
+        head = array("Q")
+        head.frombytes(data[:8])
+        n = head[0]
+        if len(data) != 8 + 24 * n:
+            raise ValueError("frame table has the wrong length")
+        cols = []
+        for i in range(3):
+            col = array("Q")
+            col.frombytes(data[8 + 8 * n * i : 8 + 8 * n * (i + 1)])
+            cols.append(col)
+        table = cls()
+        prev_end = 0
+        for off, comp, dec in zip(*cols):
+            if off < prev_end or off + comp > source_size or dec == 0:
+                raise ValueError("frame table does not fit the archive")
+            prev_end = off + comp
+            table.add(off, comp, dec)
+        return table
+
+
+# -- container streams (read time) -------------------------------------------------
+class RawStream:
+    """Plain tar: the stream is the source; extents are fixed blocks of it."""
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+        self.total = source.size
+
+    def extents(self, offset: int, size: int) -> list[tuple[Hashable, int, int]]:
+        if offset + size > self.total:
+            raise CorruptMemberError("member data runs past the end of the archive (truncated tar?)")
+        out = []
+        k = offset // RAW_BLOCK
+        end = offset + size
+        while k * RAW_BLOCK < end:
+            start = k * RAW_BLOCK
+            out.append((("tar", k), start, min(RAW_BLOCK, self.total - start)))
+            k += 1
+        return out
+
+    def decode(self, key: Hashable) -> bytes:
+        k = key[1]  # type: ignore[index]
+        start = k * RAW_BLOCK
+        return self.source.read_at(start, min(RAW_BLOCK, self.total - start))
+
+
+class _Cursor:
+    """A forward-only decoder inside one large frame."""
+
+    __slots__ = ("lock", "pos", "reader", "scratch")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.reader = None
+        self.pos = 0
+        self.scratch: bytearray | None = None
+
+
+class ZstdStream:
+    """tar.zst: extents are frames (or pieces of frames too large for one decode)."""
+
+    def __init__(self, source: Source, frames: FrameTable) -> None:
+        self.source = source
+        self.frames = frames
+        self.total = frames.total
+        self.whole_max = DEFAULT_WHOLE_MAX
+        self.piece = DEFAULT_PIECE
+        self._local = threading.local()
+        self._cursors: OrderedDict[int, _Cursor] = OrderedDict()
+        self._lock = threading.Lock()
+        self.frame_decodes = 0  # whole frames decoded (for stats and tests)
+        self.restarts = 0  # forward decoders started at a frame's beginning
+
+    def bound_extents(self, whole_max: int, piece: int) -> None:
+        """Called by the reader: one decode must fit its cache budget."""
+        self.whole_max = max(whole_max, piece)
+        self.piece = piece
+
+    # -- extents ---------------------------------------------------------------
+    def extents(self, offset: int, size: int) -> list[tuple[Hashable, int, int]]:
+        fr = self.frames
+        end = offset + size
+        if end > self.total:
+            raise CorruptMemberError("member data runs past the end of the zstd stream (truncated archive?)")
+        i = bisect.bisect_right(fr.dec_offset, offset) - 1
+        out: list[tuple[Hashable, int, int]] = []
+        n = len(fr)
+        while i < n:
+            start = fr.dec_offset[i]
+            if start >= end:
+                break
+            length = fr.dec_size[i]
+            if length <= self.whole_max:
+                out.append((("zf", i), start, length))
+            else:
+                piece = self.piece
+                k = max(offset - start, 0) // piece
+                while k * piece < length and start + k * piece < end:
+                    out.append((("zp", i, k, piece), start + k * piece, min(piece, length - k * piece)))
+                    k += 1
+            i += 1
+        return out
+
+    def decode(self, key: Hashable) -> bytes:
+        if key[0] == "zf":  # type: ignore[index]
+            return self._decode_frame(key[1])  # type: ignore[index]
+        _, i, k, piece = key  # type: ignore[misc]
+        return self._decode_piece(i, k, piece)
+
+    # -- whole frames ------------------------------------------------------------
+    def _dctx(self) -> zstandard.ZstdDecompressor:
+        dctx = getattr(self._local, "dctx", None)
+        if dctx is None:
+            dctx = self._local.dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
+        return dctx
+
+    def _decode_frame(self, i: int) -> bytes:
+        fr = self.frames
+        where = f"zstd frame #{i} at offset {fr.comp_offset[i]}"
+        comp = self.source.read_at(fr.comp_offset[i], fr.comp_size[i])
+        expected = fr.dec_size[i]
+        try:
+            header = parse_frame_header(comp, fr.comp_offset[i])
+        except ValueError as exc:
+            raise CorruptMemberError(f"{where}: {exc}") from None
+        if header.content_size is not None and header.content_size != expected:
+            raise CorruptMemberError(
+                f"{where} declares {header.content_size} bytes but the index says {expected}"
+            )
+        try:
+            data = self._dctx().decompress(comp, max_output_size=expected, allow_extra_data=False)
+        except zstandard.ZstdError as exc:
+            raise _zstd_error(exc, where) from None
+        if len(data) != expected:
+            raise CorruptMemberError(f"{where} decoded to {len(data)} bytes instead of {expected}")
+        self.frame_decodes += 1
+        return data
+
+    # -- pieces of large frames ----------------------------------------------------
+    def _cursor(self, i: int) -> _Cursor:
+        with self._lock:
+            cur = self._cursors.get(i)
+            if cur is None:
+                if len(self._cursors) >= MAX_CURSORS:
+                    self._cursors.popitem(last=False)
+                cur = self._cursors[i] = _Cursor()
+            else:
+                self._cursors.move_to_end(i)
+            return cur
+
+    def _decode_piece(self, i: int, k: int, piece: int) -> bytes:
+        fr = self.frames
+        where = f"zstd frame #{i} at offset {fr.comp_offset[i]}"
+        frame_size = fr.dec_size[i]
+        target = k * piece
+        length = min(piece, frame_size - target)
+        cur = self._cursor(i)
+        with cur.lock:
+            try:
+                if cur.reader is None or cur.pos > target:
+                    dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
+                    raw = _SourceRange(self.source, fr.comp_offset[i], fr.comp_size[i])
+                    cur.reader = dctx.stream_reader(raw, read_size=SCAN_CHUNK, read_across_frames=False)
+                    cur.pos = 0
+                    self.restarts += 1
+                reader = cur.reader
+                if cur.pos < target:
+                    if cur.scratch is None:
+                        cur.scratch = bytearray(SCAN_CHUNK)
+                    view = memoryview(cur.scratch)
+                    while cur.pos < target:
+                        n = reader.readinto(view[: min(SCAN_CHUNK, target - cur.pos)])
+                        if n <= 0:
+                            raise CorruptMemberError(f"{where} ended after {cur.pos} of {frame_size} bytes")
+                        cur.pos += n
+                parts = []
+                got = 0
+                while got < length:
+                    chunk = reader.read(length - got)
+                    if not chunk:
+                        raise CorruptMemberError(f"{where} ended after {cur.pos + got} of {frame_size} bytes")
+                    parts.append(chunk)
+                    got += len(chunk)
+                cur.pos += length
+                if cur.pos == frame_size and reader.read(1):  # also makes zstd check the frame checksum
+                    raise CorruptMemberError(f"{where} decodes to more than {frame_size} bytes")
+            except zstandard.ZstdError as exc:
+                cur.reader = None
+                raise _zstd_error(exc, where) from None
+            except CorruptMemberError:
+                cur.reader = None
+                raise
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+# -- scan views (index time) --------------------------------------------------------
+class RawScanView:
+    """Forward reads of a plain tar for the header scan: 1 MiB windows, data skipped by seeking."""
+
+    def __init__(self, source: Source, progress: Callable[[int, int], None] | None = None) -> None:
+        self.source = source
+        self.size = source.size
+        self._buf = b""
+        self._buf_pos = 0
+        self._progress = progress
+        self._next_report = 0
+
+    def read(self, pos: int, n: int) -> bytes:
+        """Up to ``n`` bytes at ``pos`` (fewer only at the end of the stream)."""
+        end = self._buf_pos + len(self._buf)
+        if self._buf_pos <= pos and pos + n <= end:
+            i = pos - self._buf_pos
+            return self._buf[i : i + n]
+        length = min(max(n, SCAN_CHUNK), self.size - pos)
+        if length <= 0:
+            return b""
+        self._buf = self.source.read_at(pos, length)
+        self._buf_pos = pos
+        if self._progress is not None and pos >= self._next_report:
+            self._progress(pos, self.size)
+            self._next_report = pos + (32 << 20)
+        return self._buf[:n]
+
+    def finish(self, end: int) -> None:
+        if self._progress is not None:
+            self._progress(self.size, self.size)
+
+
+class ZstdScanView:
+    """Forward reads of the decoded stream for the header scan.
+
+    Decodes frame by frame through bounded reads; frames whose size is known
+    and that lie entirely in skipped member data are not decoded at all. The
+    sizes learned on the way complete the frame table (:meth:`frame_table`).
+    """
+
+    def __init__(
+        self, source: Source, frames: list[Frame], progress: Callable[[int, int], None] | None = None
+    ) -> None:
+        self.source = source
+        self.frames = list(frames)
+        self.sizes: list[int | None] = [None if f.skippable else f.content_size for f in self.frames]
+        self._fi = -1  # index of the frame being decoded (or last one passed)
+        self._frame_start = 0  # decoded offset where frame _fi starts
+        self._reader = None
+        self._pos = 0  # decoded offset of the reader
+        self._buf = b""
+        self._buf_pos = 0
+        self._scratch = bytearray(SCAN_CHUNK)
+        self._progress = progress
+        self._next_report = 0
+        self._dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
+        self.decoded_frames = 0
+
+    def _report(self, comp_pos: int) -> None:
+        if self._progress is not None and comp_pos >= self._next_report:
+            self._progress(comp_pos, self.source.size)
+            self._next_report = comp_pos + (16 << 20)
+
+    def read(self, pos: int, n: int) -> bytes:
+        """Up to ``n`` bytes at ``pos`` (fewer only at the end of the stream); ``pos`` never moves back."""
+        out = []
+        while n > 0:
+            end = self._buf_pos + len(self._buf)
+            if self._buf_pos <= pos < end:
+                i = pos - self._buf_pos
+                chunk = self._buf[i : i + n]
+                out.append(chunk)
+                pos += len(chunk)
+                n -= len(chunk)
+                continue
+            if not self._fill(pos):
+                break
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    def _fill(self, pos: int) -> bool:
+        """Make the buffer start at ``pos``; False at the end of the stream."""
+        while True:
+            if self._reader is None and not self._next_frame(pos):
+                return False
+            reader = self._reader
+            known = self.sizes[self._fi]
+            if known is not None and pos >= self._frame_start + known:
+                self._frame_start += known  # the rest of this frame is skipped member data
+                self._reader = None
+                continue
+            if pos < self._pos:
+                raise AssertionError("the tar scan moved backwards")
+            try:
+                if self._pos < pos:
+                    want = min(SCAN_CHUNK, pos - self._pos)
+                    got = reader.readinto(memoryview(self._scratch)[:want])
+                    if got > 0:
+                        self._pos += got
+                        continue
+                else:
+                    data = reader.read(SCAN_CHUNK)
+                    if data:
+                        self._buf = data
+                        self._buf_pos = self._pos
+                        self._pos += len(data)
+                        return True
+            except zstandard.ZstdError as exc:
+                frame = self.frames[self._fi]
+                raise ArchiveFormatError(
+                    f"corrupt zstd frame #{self._fi} at offset {frame.offset}: {exc} "
+                    "(the archive cannot be indexed past it)"
+                ) from None
+            self._end_frame()
+
+    def _next_frame(self, pos: int) -> bool:
+        while self._fi + 1 < len(self.frames):
+            self._fi += 1
+            frame = self.frames[self._fi]
+            if frame.skippable:
+                continue
+            size = self.sizes[self._fi]
+            if size is not None and self._frame_start + size <= pos:
+                self._frame_start += size  # all of it is skipped member data: no need to decode
+                continue
+            raw = _SourceRange(self.source, frame.offset, frame.comp_size, self._report)
+            self._reader = self._dctx.stream_reader(raw, read_size=SCAN_CHUNK, read_across_frames=False)
+            self._pos = self._frame_start
+            self.decoded_frames += 1
+            return True
+        return False
+
+    def _end_frame(self) -> None:
+        size = self._pos - self._frame_start
+        expected = self.sizes[self._fi]
+        frame = self.frames[self._fi]
+        if expected is not None and expected != size:
+            raise ArchiveFormatError(
+                f"zstd frame #{self._fi} at offset {frame.offset} decodes to {size} bytes, "
+                f"its header or the seek table says {expected}"
+            )
+        self.sizes[self._fi] = size
+        self._frame_start = self._pos
+        self._reader = None
+
+    def finish(self, end: int) -> None:
+        """The scan is over at decoded offset ``end``: decode the rest of the current frame for its size."""
+        if self._reader is not None:
+            try:
+                while (n := self._reader.readinto(self._scratch)) > 0:
+                    self._pos += n
+            except zstandard.ZstdError as exc:
+                raise ArchiveFormatError(f"corrupt zstd frame #{self._fi}: {exc}") from None
+            self._end_frame()
+        if self._progress is not None:
+            self._progress(self.source.size, self.source.size)
+
+    def frame_table(self) -> FrameTable:
+        """Frames up to the first one whose size is still unknown (nothing after it holds members)."""
+        table = FrameTable()
+        for frame, size in zip(self.frames, self.sizes):
+            if frame.skippable:
+                continue
+            if size is None:
+                break
+            table.add(frame.offset, frame.comp_size, size)
+        return table

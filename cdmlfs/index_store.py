@@ -1,0 +1,139 @@
+"""Persisted archive indexes: one file per archive, keyed by the source's identity.
+
+Building a tar index means reading every header of the archive (for tar.zst:
+decoding all of it). The result is saved here so a remount is instant. The
+store knows nothing about local files: it is keyed by
+``SourceIdentity.key()`` (location + size + mtime for a file; an S3 source
+would put its ETag in the version), so remote sources reuse it unchanged.
+
+Never trusted blindly: a file is used only if its magic, format version,
+length, CRC-32 and the full identity key stored inside all match; anything
+else is treated as absent (and overwritten by the rebuilt index). Writes go
+to a temporary file in the same directory, then ``os.replace``: readers see
+the old file or the new one, never half of one.
+
+File layout::
+
+    magic "CDMLFSIX" | u16 version | u16 flags | u32 crc32(body) | u64 len(body)
+    body = zstd( u32 len(key) | key utf-8 | u32 len(kind) | kind | payload )
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import struct
+import tempfile
+import zlib
+
+import zstandard
+
+from cdmlfs.sources.base import SourceIdentity
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"CDMLFSIX"
+VERSION = 1
+HEADER = struct.Struct("<8sHHIQ")
+MAX_INDEX_FILE = 4 << 30
+
+
+def default_index_dir() -> str:
+    """``$XDG_CACHE_HOME/cdmlfs/index``, else ``~/.cache/cdmlfs/index``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "cdmlfs", "index")
+
+
+class IndexStore:
+    """A directory of persisted indexes. ``load``/``save`` never raise for I/O problems: they log."""
+
+    def __init__(self, directory: str | os.PathLike | None = None) -> None:
+        self.directory = os.fspath(directory) if directory else default_index_dir()
+
+    def path_for(self, identity: SourceIdentity) -> str:
+        """A stable file name: the archive's base name (for humans) plus 64 bits of key hash."""
+        key = identity.key().encode("utf-8", "surrogateescape")
+        digest = (zlib.crc32(key) << 32) | zlib.adler32(key[::-1])
+        base = os.path.basename(identity.location.rstrip("/")) or "archive"
+        base = "".join(c if c.isalnum() or c in "._-" else "_" for c in base)[:80]
+        return os.path.join(self.directory, f"{base}-{digest:016x}.idx")
+
+    def load(self, identity: SourceIdentity, kind: str) -> bytes | None:
+        """The payload saved for exactly this identity and kind, or None (absent, stale or corrupt)."""
+        path = self.path_for(identity)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_INDEX_FILE + HEADER.size + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("cannot read index file %s (%s): rebuilding the index", path, exc.strerror)
+            return None
+        try:
+            return self._decode(raw, identity, kind)
+        except ValueError as exc:
+            log.info("ignoring index file %s: %s; rebuilding the index", path, exc)
+            return None
+
+    @staticmethod
+    def _decode(raw: bytes, identity: SourceIdentity, kind: str) -> bytes:
+        if len(raw) < HEADER.size:
+            raise ValueError("truncated")
+        magic, version, _flags, crc, length = HEADER.unpack_from(raw)
+        if magic != MAGIC:
+            raise ValueError("not an index file")
+        if version != VERSION:
+            raise ValueError(f"version {version} (this cdmlfs writes {VERSION})")
+        body = raw[HEADER.size :]
+        if len(body) != length or zlib.crc32(body) != crc:
+            raise ValueError("checksum or length mismatch")
+        try:
+            plain = zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_INDEX_FILE)
+        except zstandard.ZstdError as exc:
+            raise ValueError(f"undecodable ({exc})") from None
+        pos = 0
+        fields = []
+        for _ in range(2):
+            if pos + 4 > len(plain):
+                raise ValueError("truncated body")
+            (n,) = struct.unpack_from("<I", plain, pos)
+            fields.append(plain[pos + 4 : pos + 4 + n])
+            pos += 4 + n
+        if fields[0] != identity.key().encode("utf-8", "surrogateescape"):
+            raise ValueError("it describes another version of the archive (stale)")
+        if fields[1] != kind.encode():
+            raise ValueError(f"it holds a {fields[1].decode(errors='replace')} index, not {kind}")
+        return plain[pos:]
+
+    def save(self, identity: SourceIdentity, kind: str, payload: bytes) -> str | None:
+        """Write atomically; returns the path, or None when the directory is not writable."""
+        key = identity.key().encode("utf-8", "surrogateescape")
+        kind_b = kind.encode()
+        plain = struct.pack("<I", len(key)) + key + struct.pack("<I", len(kind_b)) + kind_b + payload
+        body = zstandard.ZstdCompressor(level=3).compress(plain)
+        header = HEADER.pack(MAGIC, VERSION, 0, zlib.crc32(body), len(body))
+        path = self.path_for(identity)
+        tmp = None
+        try:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".idx", dir=self.directory)
+            with os.fdopen(fd, "wb") as f:
+                f.write(header)
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            tmp = None
+        except OSError as exc:
+            log.warning(
+                "cannot save the archive index in %s (%s): the next open will scan again",
+                self.directory,
+                exc.strerror or exc,
+            )
+            return None
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+        return path
