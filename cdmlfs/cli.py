@@ -1,4 +1,4 @@
-"""The ``cdmlfs`` command: mount / umount / ls / cat / extract / doctor.
+"""The ``cdmlfs`` command: mount / umount / ls / cat / extract / pack / doctor.
 
 Every failure the user can cause (bad archive, missing file, bad mount point,
 bad option) ends as one line on stderr and a non-zero exit: 1 for a runtime
@@ -87,8 +87,9 @@ def _open_archive(args: argparse.Namespace, cache_size: int | None = None):
 class _progress_bar:
     """Shows indexing progress for long scans only (no flicker for a fast ZIP directory)."""
 
-    def __init__(self) -> None:
+    def __init__(self, desc: str = "indexing") -> None:
         self._bar = None
+        self._desc = desc
         self._start = time.monotonic()
 
     def __call__(self, done: int, total: int) -> None:
@@ -97,7 +98,7 @@ class _progress_bar:
                 return
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, unit="B", unit_scale=True, desc="indexing", leave=False)
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, desc=self._desc, leave=False)
         self._bar.total = total
         self._bar.n = done
         self._bar.refresh()
@@ -203,6 +204,34 @@ def cmd_extract(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pack(args: argparse.Namespace) -> int:
+    from cdmlfs.pack import pack
+
+    progress = _progress_bar("packing") if sys.stderr.isatty() else None
+    try:
+        summary = pack(
+            args.source,
+            args.output,
+            level=args.level,
+            frame_size=args.frame_size,
+            threads=args.threads,
+            force=args.force,
+            progress=progress,
+            **_source_options(args),
+        )
+    finally:
+        if progress is not None:
+            progress.close()
+    if not args.quiet:
+        frames = f", {summary['frames']} frames" if summary["frames"] else ""
+        print(
+            f"cdmlfs: packed {summary['members']} members ({summary['bytes'] / 2**20:.1f} MiB) into "
+            f"{args.output} ({summary['output_bytes'] / 2**20:.1f} MiB{frames}) in {summary['seconds']:.1f}s",
+            file=sys.stderr,
+        )
+    return 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from cdmlfs import inflate
 
@@ -250,9 +279,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version_string())
     common = _OneLineParser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true", help="more logging (and tracebacks)")
+    indexed = _OneLineParser(add_help=False)
+    indexed.add_argument(
+        "--index-dir",
+        metavar="DIR",
+        help="where tar / tar.zst indexes are kept so a remount needs no scan "
+        "(default $XDG_CACHE_HOME/cdmlfs/index or ~/.cache/cdmlfs/index)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("mount", parents=[common], help="mount an archive as a read-only directory")
+    p = sub.add_parser("mount", parents=[common, indexed], help="mount an archive as a read-only directory")
     p.add_argument("source", help="archive path or URI (data.zip, data.tar.zst)")
     p.add_argument("mountpoint", help="an existing empty directory")
     p.add_argument("-f", "--foreground", action="store_true", help="serve in the foreground (logs to stderr)")
@@ -301,23 +337,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("mountpoint")
     p.set_defaults(func=cmd_umount)
 
-    p = sub.add_parser("ls", parents=[common], help="list archive contents without mounting")
+    p = sub.add_parser("ls", parents=[common, indexed], help="list archive contents without mounting")
     p.add_argument("source")
     p.add_argument("path", nargs="?", default="")
     p.add_argument("-l", "--long", action="store_true", help="mode, size, mtime")
     p.add_argument("-R", "--recursive", action="store_true")
     p.set_defaults(func=cmd_ls)
 
-    p = sub.add_parser("cat", parents=[common], help="write members to stdout")
+    p = sub.add_parser("cat", parents=[common, indexed], help="write members to stdout")
     p.add_argument("source")
     p.add_argument("paths", nargs="+")
     p.set_defaults(func=cmd_cat)
 
-    p = sub.add_parser("extract", parents=[common], help="copy members (or folders) out of the archive")
+    p = sub.add_parser(
+        "extract", parents=[common, indexed], help="copy members (or folders) out of the archive"
+    )
     p.add_argument("source")
     p.add_argument("paths", nargs="+")
     p.add_argument("-C", "--directory", default=".", help="destination directory (default .)")
     p.set_defaults(func=cmd_extract)
+
+    p = sub.add_parser(
+        "pack",
+        parents=[common, indexed],
+        help="write a directory or archive as a seekable tar.zst (or .tar, .zip) that mounts instantly",
+    )
+    p.add_argument("source", help="a directory, or an archive (zip, tar, tar.zst)")
+    p.add_argument("output", help="OUT.tar.zst (seekable zstd), OUT.tar or OUT.zip")
+    p.add_argument("--level", type=int, help="compression level (zstd default 3, deflate default 6)")
+    p.add_argument(
+        "--frame-size",
+        type=parse_size,
+        default=4 << 20,
+        metavar="SIZE",
+        help="decoded bytes per zstd frame: a random read decodes at most one (default 4M)",
+    )
+    p.add_argument("--threads", type=int, help="compression threads (default: all cores)")
+    p.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")
+    p.add_argument("-q", "--quiet", action="store_true", help="no summary line")
+    p.set_defaults(func=cmd_pack)
 
     p = sub.add_parser("doctor", parents=[common], help="show which accelerators and FUSE library are in use")
     p.set_defaults(func=cmd_doctor)

@@ -1,0 +1,493 @@
+"""``cdmlfs pack``: write archives that mount fast — seekable tar.zst, plain tar, or ZIP.
+
+The tar.zst layout (readable by ``zstd -d`` and ``tar --zstd -x``; they skip
+what they do not know):
+
+* a standard tar stream (POSIX ustar headers; pax records only where ustar
+  cannot say it: long or non-ASCII names and link targets, sizes ≥ 8 GiB,
+  mtimes outside 1970..2242, large ids), cut into zstd frames of at most
+  ``frame_size`` decoded bytes. A frame ends at a member boundary when the
+  next member would not fit, so a small member is always inside one frame
+  (reading it costs one frame decode); a member larger than a frame is split
+  over consecutive full frames. Every frame records its content size and a
+  checksum;
+* a skippable frame holding the member table (:mod:`cdmlfs.formats.tarmembers`),
+  so mounting needs no decoding at all;
+* the seek table of the zstd seekable format, listing every frame above
+  (the member-table frame with decoded size 0, as the format specifies for
+  skippable frames).
+
+Frames are compressed by a thread pool (zstandard releases the GIL); the
+writer keeps at most ``2 × threads`` frames in flight, so memory stays bounded
+whatever the input size. The output is written to a temporary name and renamed
+into place when complete.
+
+Sources: a directory (walked in name order; hard links detected by inode;
+sockets, devices and FIFOs skipped with a warning) or any archive cdmlfs
+opens (ZIP, tar, tar.zst; members are read in archive order, so a
+single-frame tar.zst is decoded exactly once). ZIP output has no hard links:
+they become copies. Mtimes are stored in whole seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import stat as statmod
+import struct
+import threading
+import time
+import zipfile
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
+
+import zstandard
+
+from cdmlfs.errors import UsageError
+from cdmlfs.formats import tarheader as th
+from cdmlfs.formats.tar import EMBEDDED_INDEX_NIBBLE, encode_embedded_index
+from cdmlfs.formats.tarmembers import HARDLINK, MemberTable
+from cdmlfs.index import DIR, FILE, SYMLINK
+from cdmlfs.zstd_seekable import seek_table_frame, skippable_frame
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FRAME_SIZE = 4 << 20
+DEFAULT_ZSTD_LEVEL = 3
+DEFAULT_DEFLATE_LEVEL = 6
+READ_CHUNK = 1 << 20
+MAX_FRAME_SIZE = 1 << 30  # the seek table stores 32-bit sizes; keep frames far below that
+STORED_EXTENSIONS = frozenset(  # already compressed: deflating them again only costs time
+    {
+        *("jpg", "jpeg", "png", "gif", "webp", "avif", "heic", "heif", "jxl", "mp3", "m4a", "aac", "ogg"),
+        *("opus", "flac", "mp4", "m4v", "mkv", "webm", "mov", "avi", "zip", "gz", "tgz", "bz2", "xz"),
+        *("lz4", "zst", "tzst", "7z", "rar", "br", "parquet"),
+    }
+)
+
+Progress = Callable[[int, int], None]
+
+
+class PackEntry(NamedTuple):
+    """One member to write. ``read`` yields a file's bytes (also used for hard links in ZIP output)."""
+
+    name: str
+    kind: int  # FILE, DIR, SYMLINK or HARDLINK
+    mode: int
+    mtime: float
+    size: int = 0
+    link: str = ""
+    uid: int = 0
+    gid: int = 0
+    read: Callable[[], Iterator[bytes]] | None = None
+
+
+# -- sources ------------------------------------------------------------------------------
+def _file_chunks(path: str, size: int) -> Callable[[], Iterator[bytes]]:
+    def chunks() -> Iterator[bytes]:
+        left = size
+        with open(path, "rb") as f:
+            while left > 0:
+                data = f.read(min(READ_CHUNK, left))
+                if not data:
+                    log.warning("%s shrank while being packed: padded with zeros", path)
+                    while left > 0:
+                        n = min(READ_CHUNK, left)
+                        yield bytes(n)
+                        left -= n
+                    return
+                left -= len(data)
+                yield data
+        # A file that grew keeps the size its header announced (like GNU tar).
+
+    return chunks
+
+
+def entries_from_directory(root: str) -> list[PackEntry]:
+    """Everything under ``root`` (not root itself), parents before children, names sorted."""
+    root = os.path.abspath(root)
+    out: list[PackEntry] = []
+    seen_inodes: dict[tuple[int, int], str] = {}
+    skipped = 0
+    stack = [("", root)]
+    while stack:
+        rel_dir, abs_dir = stack.pop()
+        try:
+            with os.scandir(abs_dir) as it:
+                items = sorted(it, key=lambda e: e.name)
+        except OSError as exc:
+            raise UsageError(f"{abs_dir}: cannot list directory ({exc.strerror})") from None
+        subdirs = []
+        for item in items:
+            rel = f"{rel_dir}/{item.name}" if rel_dir else item.name
+            st = item.stat(follow_symlinks=False)
+            mode = st.st_mode
+            common = {"mode": statmod.S_IMODE(mode), "mtime": st.st_mtime, "uid": st.st_uid, "gid": st.st_gid}
+            if statmod.S_ISDIR(mode):
+                out.append(PackEntry(rel, DIR, **common))
+                subdirs.append((rel, item.path))
+            elif statmod.S_ISLNK(mode):
+                out.append(PackEntry(rel, SYMLINK, link=os.readlink(item.path), **common))
+            elif statmod.S_ISREG(mode):
+                key = (st.st_dev, st.st_ino)
+                first = seen_inodes.get(key) if st.st_nlink > 1 else None
+                chunks = _file_chunks(item.path, st.st_size)
+                if first is not None:
+                    out.append(PackEntry(rel, HARDLINK, size=st.st_size, link=first, read=chunks, **common))
+                else:
+                    if st.st_nlink > 1:
+                        seen_inodes[key] = rel
+                    out.append(PackEntry(rel, FILE, size=st.st_size, read=chunks, **common))
+            else:
+                skipped += 1
+                log.warning("skipping %s: sockets, devices and FIFOs are not packed", item.path)
+        stack.extend(reversed(subdirs))
+    if skipped:
+        log.warning("skipped %d special files", skipped)
+    return out
+
+
+def entries_from_archive(archive) -> list[PackEntry]:
+    """Members of an opened :class:`~cdmlfs.archive.Archive`: directories, files in archive order, links."""
+    index = archive.index
+    reader = archive.reader
+
+    def member_chunks(eid: int, size: int) -> Callable[[], Iterator[bytes]]:
+        def chunks() -> Iterator[bytes]:
+            pos = 0
+            while pos < size:
+                data = reader.read(eid, pos, min(READ_CHUNK, size - pos))
+                if not data:
+                    raise OSError(5, f"{index.paths[eid]}: member ended early")
+                pos += len(data)
+                yield data
+
+        return chunks
+
+    out: list[PackEntry] = []
+    links: list[PackEntry] = []
+    for eid in index.walk(0):
+        kind = index.kind[eid]
+        path = index.paths[eid]
+        if kind == DIR:
+            out.append(PackEntry(path, DIR, index.mode[eid], index.mtime[eid]))
+        elif kind == SYMLINK:
+            links.append(
+                PackEntry(path, SYMLINK, index.mode[eid], index.mtime[eid], link=reader.readlink(eid))
+            )
+        elif eid in index.hardlink_of:
+            data = index.hardlink_of[eid]
+            size = index.size[data]
+            links.append(
+                PackEntry(
+                    path,
+                    HARDLINK,
+                    index.mode[eid],
+                    index.mtime[eid],
+                    size,
+                    link=index.paths[data],
+                    read=member_chunks(data, size),
+                )
+            )
+    for eid in index.files_in_archive_order():
+        size = index.size[eid]
+        out.append(
+            PackEntry(
+                index.paths[eid], FILE, index.mode[eid], index.mtime[eid], size, read=member_chunks(eid, size)
+            )
+        )
+    return out + links
+
+
+# -- tar stream ------------------------------------------------------------------------------
+def _tar_header(entry: PackEntry) -> bytes:
+    mtime = math.floor(entry.mtime)
+    if entry.kind == DIR:
+        return th.build_header(entry.name + "/", th.DIRTYPE, 0, entry.mode, mtime, entry.uid, entry.gid)
+    if entry.kind == SYMLINK:
+        return th.build_header(entry.name, th.SYMTYPE, 0, entry.mode, mtime, entry.uid, entry.gid, entry.link)
+    if entry.kind == HARDLINK:
+        return th.build_header(entry.name, th.LNKTYPE, 0, entry.mode, mtime, entry.uid, entry.gid, entry.link)
+    return th.build_header(entry.name, th.REGTYPE, entry.size, entry.mode, mtime, entry.uid, entry.gid)
+
+
+class _TarSink:
+    """Where tar bytes go: ``write`` anything, ``member_start`` before a member that must not be split."""
+
+    def write(self, data: bytes | memoryview) -> None:
+        raise NotImplementedError
+
+    def member_start(self, total: int) -> None:
+        """A member of ``total`` bytes (headers + padded data) follows."""
+
+    def close(self, members: MemberTable) -> None:
+        raise NotImplementedError
+
+
+class _PlainTarSink(_TarSink):
+    def __init__(self, f) -> None:
+        self._f = f
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._f.write(data)
+
+    def close(self, members: MemberTable) -> None:
+        pass
+
+
+class _SeekableZstdSink(_TarSink):
+    """Cuts the tar stream into frames, compresses them in parallel, writes them in order."""
+
+    def __init__(self, f, level: int, frame_size: int, threads: int) -> None:
+        self._f = f
+        self._frame_size = frame_size
+        self._buf = bytearray()
+        self._entries: list[tuple[int, int]] = []  # (compressed, decompressed) per written frame
+        self._level = level
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
+        self._inflight: deque[tuple[Future | bytes, int]] = deque()
+        self._max_inflight = 2 * threads
+
+    def _compress(self, data: bytes) -> bytes:
+        cctx = getattr(self._local, "cctx", None)
+        if cctx is None:
+            cctx = self._local.cctx = zstandard.ZstdCompressor(
+                level=self._level, write_checksum=True, write_content_size=True
+            )
+        return cctx.compress(data)
+
+    def _cut(self, data: bytes) -> None:
+        if not data:
+            return
+        job: Future | bytes = self._pool.submit(self._compress, data) if self._pool else self._compress(data)
+        self._inflight.append((job, len(data)))
+        while len(self._inflight) > self._max_inflight or (self._pool is None and self._inflight):
+            self._drain_one()
+
+    def _drain_one(self) -> None:
+        job, dec = self._inflight.popleft()
+        comp = job.result() if isinstance(job, Future) else job
+        self._f.write(comp)
+        self._entries.append((len(comp), dec))
+
+    def member_start(self, total: int) -> None:
+        if total <= self._frame_size and len(self._buf) + total > self._frame_size:
+            self._cut(bytes(self._buf))
+            self._buf = bytearray()
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._buf += data
+        size = self._frame_size
+        if len(self._buf) >= size:
+            view = memoryview(self._buf)
+            pos = 0
+            while len(self._buf) - pos >= size:
+                self._cut(bytes(view[pos : pos + size]))
+                pos += size
+            rest = bytes(view[pos:])
+            view.release()
+            self._buf = bytearray(rest)
+
+    def close(self, members: MemberTable) -> None:
+        self._cut(bytes(self._buf))
+        self._buf = bytearray()
+        while self._inflight:
+            self._drain_one()
+        if self._pool is not None:
+            self._pool.shutdown()
+        index_frame = skippable_frame(encode_embedded_index(members), EMBEDDED_INDEX_NIBBLE)
+        self._f.write(index_frame)
+        self._f.write(seek_table_frame([*self._entries, (len(index_frame), 0)]))
+
+    def abort(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+
+
+def write_tar(entries: list[PackEntry], sink: _TarSink, progress: Progress | None, total: int) -> MemberTable:
+    """The tar stream of ``entries`` into ``sink``; returns the member table (data offsets included)."""
+    members = MemberTable()
+    pos = 0
+    done = 0
+    last_report = 0.0
+    for entry in entries:
+        header = _tar_header(entry)
+        data_size = entry.size if entry.kind == FILE else 0
+        padded = th.round_up(data_size)
+        sink.member_start(len(header) + padded)
+        sink.write(header)
+        pos += len(header)
+        mtime = float(math.floor(entry.mtime))
+        if entry.kind == FILE:
+            members.append(FILE, entry.name, entry.mode, mtime, data_size, pos)
+        elif entry.kind == DIR:
+            members.append(DIR, entry.name + "/", entry.mode, mtime, 0, 0)
+        else:
+            members.append(entry.kind, entry.name, entry.mode, mtime, 0, 0, entry.link)
+        if data_size:
+            written = 0
+            for chunk in entry.read():  # type: ignore[misc]
+                take = chunk if written + len(chunk) <= data_size else chunk[: data_size - written]
+                sink.write(take)
+                written += len(take)
+                done += len(take)
+                if written >= data_size:
+                    break
+                if progress is not None and time.monotonic() - last_report > 0.2:
+                    progress(done, total)
+                    last_report = time.monotonic()
+            if padded > written:
+                sink.write(bytes(padded - written))
+            pos += padded
+        if progress is not None and time.monotonic() - last_report > 0.2:
+            progress(done, total)
+            last_report = time.monotonic()
+    sink.write(bytes(2 * th.BLOCK))  # end of archive
+    pos += 2 * th.BLOCK
+    members.stream_size = pos
+    if progress is not None:
+        progress(done, total)
+    return members
+
+
+# -- zip --------------------------------------------------------------------------------------
+def _zip_info(entry: PackEntry, level: int) -> zipfile.ZipInfo:
+    tm = time.localtime(entry.mtime) if 0 <= entry.mtime < 2**33 else time.localtime(0)
+    year = min(max(tm.tm_year, 1980), 2107)  # the DOS date range
+    name = entry.name + "/" if entry.kind == DIR else entry.name
+    info = zipfile.ZipInfo(name, date_time=(year, tm.tm_mon, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec))
+    info.create_system = 3  # Unix: external attributes carry st_mode
+    type_bits = {DIR: statmod.S_IFDIR, SYMLINK: statmod.S_IFLNK}.get(entry.kind, statmod.S_IFREG)
+    info.external_attr = ((type_bits | (entry.mode & 0o7777)) << 16) | (0x10 if entry.kind == DIR else 0)
+    mtime = math.floor(entry.mtime)
+    if -(2**31) <= mtime < 2**31:  # extended timestamp: exact mtime (unzip and cdmlfs read it)
+        info.extra = struct.pack("<HHBi", 0x5455, 5, 1, mtime)
+    ext = entry.name.rpartition(".")[2].lower() if "." in entry.name.rpartition("/")[2] else ""
+    if entry.kind not in (FILE, HARDLINK) or ext in STORED_EXTENSIONS or entry.size == 0:
+        info.compress_type = zipfile.ZIP_STORED
+    else:
+        info.compress_type = zipfile.ZIP_DEFLATED
+        info._compresslevel = level  # type: ignore[attr-defined]  # read by ZipFile.open(info, "w")
+    return info
+
+
+def write_zip(entries: list[PackEntry], f, level: int, progress: Progress | None, total: int) -> None:
+    done = 0
+    last_report = 0.0
+    with zipfile.ZipFile(f, "w", allowZip64=True) as zf:
+        for entry in entries:
+            info = _zip_info(entry, level)
+            if entry.kind == DIR:
+                zf.writestr(info, b"")
+                continue
+            if entry.kind == SYMLINK:
+                zf.writestr(info, entry.link.encode("utf-8", "surrogateescape"))
+                continue
+            info.file_size = entry.size
+            with zf.open(info, "w", force_zip64=entry.size >= (1 << 31)) as w:
+                written = 0
+                if entry.size:
+                    for chunk in entry.read():  # type: ignore[misc]
+                        take = chunk[: entry.size - written]
+                        w.write(take)
+                        written += len(take)
+                        done += len(take)
+                        if written >= entry.size:
+                            break
+                        if progress is not None and time.monotonic() - last_report > 0.2:
+                            progress(done, total)
+                            last_report = time.monotonic()
+                if written < entry.size:
+                    w.write(bytes(entry.size - written))
+    if progress is not None:
+        progress(done, total)
+
+
+# -- command ------------------------------------------------------------------------------------
+def output_kind(path: str) -> str:
+    lower = path.lower()
+    if lower.endswith((".tar.zst", ".tzst", ".tar.zstd")):
+        return "tar.zst"
+    if lower.endswith(".tar"):
+        return "tar"
+    if lower.endswith(".zip"):
+        return "zip"
+    raise UsageError(f"{path}: output must end in .tar.zst, .tzst, .tar or .zip")
+
+
+def pack(
+    src: str,
+    out: str,
+    level: int | None = None,
+    frame_size: int = DEFAULT_FRAME_SIZE,
+    threads: int | None = None,
+    force: bool = False,
+    progress: Progress | None = None,
+    **archive_options,
+) -> dict:
+    """Write ``src`` (a directory or an archive) to ``out``; returns a small summary for the CLI."""
+    kind = output_kind(out)
+    if not 4096 <= frame_size <= MAX_FRAME_SIZE:
+        raise UsageError("--frame-size must be between 4K and 1G")
+    if os.path.lexists(out) and not force:
+        raise UsageError(f"{out}: already exists (use --force to overwrite)")
+    if not os.path.exists(src):
+        raise UsageError(f"{src}: no such file or directory")
+    if os.path.exists(out) and os.path.samefile(src, out):
+        raise UsageError("the output would overwrite the source")
+    threads = max(1, threads or os.cpu_count() or 1)
+    archive = None
+    try:
+        if os.path.isdir(src):
+            entries = entries_from_directory(src)
+        else:
+            from cdmlfs.archive import Archive
+
+            archive = Archive(src, cache_size=256 << 20, **archive_options)
+            entries = entries_from_archive(archive)
+        total = sum(e.size for e in entries if e.kind == FILE)
+        directory = os.path.dirname(os.path.abspath(out))
+        tmp = os.path.join(directory, f".{os.path.basename(out)}.partial-{os.getpid()}")
+        started = time.monotonic()
+        try:
+            with open(tmp, "wb") as f:
+                if kind == "zip":
+                    write_zip(entries, f, DEFAULT_DEFLATE_LEVEL if level is None else level, progress, total)
+                    frames = 0
+                else:
+                    if kind == "tar":
+                        sink: _TarSink = _PlainTarSink(f)
+                    else:
+                        sink = _SeekableZstdSink(
+                            f, DEFAULT_ZSTD_LEVEL if level is None else level, frame_size, threads
+                        )
+                    try:
+                        members = write_tar(entries, sink, progress, total)
+                        sink.close(members)
+                    except BaseException:
+                        if isinstance(sink, _SeekableZstdSink):
+                            sink.abort()
+                        raise
+                    frames = len(getattr(sink, "_entries", ()))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, out)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    finally:
+        if archive is not None:
+            archive.close()
+    return {
+        "members": len(entries),
+        "bytes": total,
+        "output_bytes": os.path.getsize(out),
+        "frames": frames,
+        "seconds": time.monotonic() - started,
+    }
