@@ -1,0 +1,236 @@
+"""``ImageFolder`` over archives: torchvision's behaviour, read straight from the archive.
+
+Same ``classes``, ``class_to_idx``, ``samples``, ``targets``, ``imgs``, order,
+extension filter, errors and overridable ``find_classes``/``make_dataset`` as
+torchvision's ``DatasetFolder``/``ImageFolder``; the root may also be an
+archive or a folder inside one (syntax: :mod:`cdmlfs_torch.roots`), in which
+case sample paths are ``LOCATION::INNER`` and nothing goes through FUSE.
+torchvision itself is not needed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from cdmlfs_torch import handles
+from cdmlfs_torch._compat import Dataset
+from cdmlfs_torch.loaders import default_loader
+from cdmlfs_torch.roots import ArchiveTree, Tree, resolve_root
+
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+"""The extensions torchvision's ImageFolder accepts (compared case-insensitively)."""
+
+
+def has_file_allowed_extension(filename: str, extensions: str | tuple[str, ...]) -> bool:
+    """Whether ``filename`` ends with one of ``extensions`` (lower-case), ignoring case."""
+    return filename.lower().endswith(extensions if isinstance(extensions, str) else tuple(extensions))
+
+
+def is_image_file(filename: str) -> bool:
+    return has_file_allowed_extension(filename, IMG_EXTENSIONS)
+
+
+def _tree(directory: str | os.PathLike | Tree) -> Tree:
+    return directory if isinstance(directory, Tree) else resolve_root(directory)
+
+
+def find_classes(directory: str | os.PathLike | Tree) -> tuple[list[str], dict[str, int]]:
+    """Class names (sorted sub-directories of the root, symlinks followed) and their indices."""
+    tree = _tree(directory)
+    classes = sorted(tree.subdirs(tree.root_path))
+    if not classes:
+        shown = directory.root_path if isinstance(directory, Tree) else directory
+        raise FileNotFoundError(f"Couldn't find any class folder in {shown}.")
+    return classes, {name: i for i, name in enumerate(classes)}
+
+
+def make_dataset(
+    directory: str | os.PathLike | Tree,
+    class_to_idx: dict[str, int] | None = None,
+    extensions: str | tuple[str, ...] | None = None,
+    is_valid_file: Callable[[str], bool] | None = None,
+    allow_empty: bool = False,
+) -> list[tuple[str, int]]:
+    """(sample path, class index) for every valid file below each class folder.
+
+    Order: classes by name; inside a class, directories by path, files by name
+    (torchvision's ``sorted(os.walk(...))``). ``is_valid_file`` receives the
+    sample path (``LOCATION::INNER`` inside archives).
+    """
+    tree = _tree(directory)
+    if class_to_idx is None:
+        _, class_to_idx = find_classes(tree)
+    elif not class_to_idx:
+        raise ValueError("'class_to_index' must have at least one entry to collect any samples.")
+    if (extensions is None) == (is_valid_file is None):
+        raise ValueError("Both extensions and is_valid_file cannot be None or not None at the same time")
+    if extensions is not None:
+        exts = extensions
+
+        def is_valid_file(path: str) -> bool:
+            return has_file_allowed_extension(path, exts)
+
+    assert is_valid_file is not None
+    instances: list[tuple[str, int]] = []
+    found: set[str] = set()
+    for target_class in sorted(class_to_idx):
+        class_index = class_to_idx[target_class]
+        target_dir = tree.join(tree.root_path, target_class)
+        if not tree.isdir(target_dir):
+            continue
+        for dirpath, _, fnames in sorted(tree.walk(target_dir)):
+            for fname in sorted(fnames):
+                path = tree.join(dirpath, fname)
+                if is_valid_file(path):
+                    instances.append((path, class_index))
+                    found.add(target_class)
+    empty = set(class_to_idx) - found
+    if empty and not allow_empty:
+        msg = f"Found no valid file for the classes {', '.join(sorted(empty))}. "
+        if extensions is not None:
+            shown = extensions if isinstance(extensions, str) else ", ".join(extensions)
+            msg += f"Supported extensions are: {shown}"
+        raise FileNotFoundError(msg)
+    return instances
+
+
+class ArchiveDatasetFolder(Dataset):
+    """torchvision's ``DatasetFolder`` whose root may be an archive (``data.zip::train``).
+
+    Pickles as its root, sample list and callables: no archive handle, index
+    or cache travels to DataLoader workers; each worker opens its own handle
+    on its first sample (fork and spawn alike).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        loader: Callable[[str], Any],
+        extensions: tuple[str, ...] | None = None,
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        is_valid_file: Callable[[str], bool] | None = None,
+        allow_empty: bool = False,
+        *,
+        cache_size: int = handles.DEFAULT_CACHE_SIZE,
+        open_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.root = os.path.expanduser(root) if isinstance(root, str) else root
+        self.transform = transform
+        self.target_transform = target_transform
+        self.tree = resolve_root(self.root, cache_size=cache_size, **(open_options or {}))
+        classes, class_to_idx = self.find_classes(self.root)
+        samples = self.make_dataset(
+            self.root,
+            class_to_idx=class_to_idx,
+            extensions=extensions,
+            is_valid_file=is_valid_file,
+            allow_empty=allow_empty,
+        )
+        self.loader = loader
+        self.extensions = extensions
+        self.classes = classes
+        self.class_to_idx = class_to_idx
+        self.samples = samples
+        self.targets = [s[1] for s in samples]
+
+    @staticmethod
+    def make_dataset(
+        directory: str | os.PathLike,
+        class_to_idx: dict[str, int],
+        extensions: tuple[str, ...] | None = None,
+        is_valid_file: Callable[[str], bool] | None = None,
+        allow_empty: bool = False,
+    ) -> list[tuple[str, int]]:
+        """Override to change which files are samples (torchvision's hook, same arguments)."""
+        if class_to_idx is None:
+            # An overridden find_classes must not be bypassed by make_dataset's own default.
+            raise ValueError("The class_to_idx parameter cannot be None.")
+        return make_dataset(
+            directory,
+            class_to_idx,
+            extensions=extensions,
+            is_valid_file=is_valid_file,
+            allow_empty=allow_empty,
+        )
+
+    def find_classes(self, directory: str | os.PathLike) -> tuple[list[str], dict[str, int]]:
+        """Override to change what a class is (torchvision's hook, same arguments)."""
+        return find_classes(self.tree if directory is self.root else directory)
+
+    @property
+    def root_path(self) -> str:
+        """The root as sample paths start: a directory, or ``LOCATION::FOLDER``."""
+        return self.tree.root_path
+
+    def relpath(self, index: int) -> str:
+        """Path of sample ``index`` relative to the root (what ``os.path.relpath`` gives on disk)."""
+        return self.tree.relpath(self.samples[index][0])
+
+    def archive_positions(self) -> list[int]:
+        """Per sample, where its bytes lie in the archive: :class:`ArchiveOrderSampler` reads this."""
+        return self.tree.archive_positions([path for path, _ in self.samples])
+
+    def extract(self, index: int, dest: str | os.PathLike) -> str:
+        """Copy sample ``index`` to ``dest/<relative path>`` to look at it; returns the file's path."""
+        return self.tree.extract(self.samples[index][0], os.fspath(dest))
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        path, target = self.samples[index]
+        if isinstance(self.tree, ArchiveTree):
+            self.tree.archive  # noqa: B018 - open this process's handle with this dataset's options
+        sample = self.loader(path)
+        if self.transform is not None:
+            sample = self.transform(sample)
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return sample, target
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __repr__(self) -> str:
+        lines = [f"Dataset {type(self).__name__}", f"    Number of datapoints: {len(self)}"]
+        lines.append(f"    Root location: {self.root_path}")
+        for name in ("transform", "target_transform"):
+            fn = getattr(self, name)
+            if fn is not None:
+                lines.append(f"    {name}: " + repr(fn).replace("\n", "\n    "))
+        return "\n".join(lines)
+
+
+class ArchiveImageFolder(ArchiveDatasetFolder):
+    """torchvision's ``ImageFolder`` whose root may be an archive or a folder inside one.
+
+    ``root``: a directory (a cdmlfs mount too), ``data.zip``, ``data.zip::train``,
+    ``data.zip/train`` or ``s3://bucket/data.zip::train``. The default loader
+    decodes with PIL from the archive bytes and converts to RGB. Samples are
+    ``(LOCATION::INNER, class_index)`` inside archives, ordinary paths for a directory.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        loader: Callable[[str], Any] = default_loader,
+        is_valid_file: Callable[[str], bool] | None = None,
+        allow_empty: bool = False,
+        *,
+        cache_size: int = handles.DEFAULT_CACHE_SIZE,
+        open_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(
+            root,
+            loader,
+            IMG_EXTENSIONS if is_valid_file is None else None,
+            transform=transform,
+            target_transform=target_transform,
+            is_valid_file=is_valid_file,
+            allow_empty=allow_empty,
+            cache_size=cache_size,
+            open_options=open_options,
+        )
+        self.imgs = self.samples

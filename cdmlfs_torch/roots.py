@@ -1,0 +1,301 @@
+"""Where a dataset's files live: a local directory, or a folder inside an archive.
+
+Root syntax (what ``ArchiveImageFolder(root)`` and ``ArchiveDataset(root)`` accept):
+
+``/data/train`` (an existing directory, a cdmlfs mount included)
+    Read with ordinary file calls; behaves exactly like torchvision.
+``/data/imagenet.zip``
+    The whole archive.
+``/data/imagenet.zip::train`` (``LOCATION::FOLDER``)
+    The folder ``train`` inside the archive. ``LOCATION`` is anything
+    ``cdmlfs.open`` accepts (a path, ``s3://bucket/key.zip`` once S3 lands),
+    split at the first ``::``; this is the form that always works.
+``/data/imagenet.zip/train``
+    Shorthand for local archives: when the path does not exist, its longest
+    prefix that is an existing regular file is the archive and the rest is
+    the folder inside it. URIs have no such shorthand (it would cost network
+    round trips to guess): use ``::``.
+
+A path that exists on the local file system is always taken literally first.
+
+Sample paths: files inside an archive are named ``LOCATION::INNER`` with
+``INNER`` the member's path from the archive root, e.g.
+``/data/imagenet.zip::train/n01440764/x.JPEG``. The string says which archive
+and which member, survives pickling to any process, and can be read back
+with :func:`cdmlfs_torch.read_sample` / :func:`cdmlfs_torch.open_sample`;
+``sample[len(dataset.root_path) + 1:]`` (or :meth:`Tree.relpath`) is the
+path relative to the dataset root, as ``os.path.relpath`` gives for
+torchvision. Files of a local directory keep their ordinary paths.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import posixpath
+import shutil
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+from cdmlfs_torch import handles
+
+SEP = "::"
+
+
+def is_uri(text: str) -> bool:
+    """``scheme://...`` (s3://, http://): never looked up on the local file system."""
+    scheme, sep, _ = text.partition("://")
+    return bool(sep) and scheme.isascii() and scheme.replace("+", "").replace("-", "").isalnum()
+
+
+def split_sample_path(path: str) -> tuple[str, str] | None:
+    """``"LOCATION::INNER"`` -> ``(LOCATION, INNER)``; None for a plain local path.
+
+    The split is at the first ``::`` whose left side is an archive already open in
+    this process (datasets open theirs before calling a loader), else at the first
+    ``::``. A path that exists locally is a plain path even if it contains ``::``.
+    """
+    if SEP not in path:
+        return None
+    open_now = handles.open_locations()
+    start = 0
+    while (at := path.find(SEP, start)) >= 0:
+        if path[:at] in open_now:
+            return path[:at], path[at + len(SEP) :].strip("/")
+        start = at + 1
+    if os.path.exists(path):
+        return None
+    location, _, inner = path.partition(SEP)
+    return location, inner.strip("/")
+
+
+class Tree:
+    """The file operations the datasets need, over one root; pickles as a few strings."""
+
+    root_path: str
+    """The root in this tree's path space: a directory path, or ``LOCATION::FOLDER``."""
+
+    def join(self, *parts: str) -> str:
+        raise NotImplementedError
+
+    def relpath(self, path: str) -> str:
+        """A path of this tree relative to the root (``/``-separated inside archives)."""
+        raise NotImplementedError
+
+    def subdirs(self, path: str) -> list[str]:
+        """Names of the directories in ``path`` (symlinks followed), in listing order."""
+        raise NotImplementedError
+
+    def isdir(self, path: str) -> bool:
+        raise NotImplementedError
+
+    def walk(self, path: str) -> Iterator[tuple[str, list[str], list[str]]]:
+        """``os.walk(path, followlinks=True)`` semantics: (dirpath, dirnames, filenames), top-down."""
+        raise NotImplementedError
+
+    def files(self) -> list[str]:
+        """Every file below the root (symlinks followed), as tree paths sorted as strings."""
+        out = [self.join(d, f) for d, _, fnames in self.walk(self.root_path) for f in fnames]
+        out.sort()
+        return out
+
+    def read(self, path: str) -> bytes:
+        raise NotImplementedError
+
+    def open(self, path: str) -> BinaryIO:
+        raise NotImplementedError
+
+    def extract(self, path: str, dest: str) -> str:
+        """Copy one file to ``dest/<path relative to the root>``; returns the new file's path."""
+        raise NotImplementedError
+
+    def archive_positions(self, paths: list[str]) -> list[int]:
+        """A sort key per path: where its bytes lie (archive order); list order for plain files."""
+        return list(range(len(paths)))
+
+
+class LocalTree(Tree):
+    """A directory read with ordinary file calls (torchvision's behaviour, byte for byte)."""
+
+    def __init__(self, root: str) -> None:
+        self.root_path = root
+
+    def __repr__(self) -> str:
+        return f"LocalTree({self.root_path!r})"
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    def relpath(self, path: str) -> str:
+        return os.path.relpath(path, self.root_path)
+
+    def subdirs(self, path: str) -> list[str]:
+        with os.scandir(path) as it:
+            return [entry.name for entry in it if entry.is_dir()]
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def walk(self, path: str) -> Iterator[tuple[str, list[str], list[str]]]:
+        return os.walk(path, followlinks=True)
+
+    def read(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    def open(self, path: str) -> BinaryIO:
+        return open(path, "rb")
+
+    def extract(self, path: str, dest: str) -> str:
+        out = os.path.join(dest, self.relpath(path))
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        return shutil.copy2(path, out)
+
+
+class ArchiveTree(Tree):
+    """A folder inside an archive, read through the process's :mod:`handles` (no FUSE)."""
+
+    def __init__(self, location: str, inner: str = "", **open_kwargs: Any) -> None:
+        inner = posixpath.normpath("/" + inner).strip("/") if inner.strip("/") else ""
+        self.location = location
+        self.inner = inner
+        self.open_kwargs = open_kwargs
+        self.root_path = f"{location}{SEP}{inner}"
+        self._prefix = f"{location}{SEP}"
+
+    def __repr__(self) -> str:
+        return f"ArchiveTree({self.root_path!r})"
+
+    @property
+    def archive(self):
+        """This process's handle (opened on first use in each DataLoader worker)."""
+        return handles.get_archive(self.location, **self.open_kwargs)
+
+    def check(self) -> ArchiveTree:
+        """Open the archive now and make sure the folder exists (errors at construction, not in workers)."""
+        archive = self.archive
+        if self.inner and not archive.isdir(self.inner):
+            if archive.exists(self.inner):
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), self.root_path)
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), self.root_path)
+        return self
+
+    def inner_path(self, path: str) -> str:
+        """Member path (from the archive root) of a tree path."""
+        if not path.startswith(self._prefix):
+            raise ValueError(f"{path!r} is not a path inside {self.location!r}")
+        return path[len(self._prefix) :].strip("/")
+
+    def join(self, *parts: str) -> str:
+        head, *rest = parts
+        inner = self.inner_path(head)
+        for part in rest:
+            inner = f"{inner}/{part}" if inner else part
+        return self._prefix + inner
+
+    def relpath(self, path: str) -> str:
+        inner = self.inner_path(path)
+        if not self.inner:
+            return inner or "."
+        if inner == self.inner:
+            return "."
+        if not inner.startswith(self.inner + "/"):
+            raise ValueError(f"{path!r} is not below {self.root_path!r}")
+        return inner[len(self.inner) + 1 :]
+
+    def _entries(self, inner: str) -> list[tuple[str, bool]]:
+        """(name, is a directory after following symlinks) for each entry of a directory."""
+        archive = self.archive
+        out = []
+        for st in archive.scandir(inner):
+            name = st.path.rpartition("/")[2]
+            follow = st.is_symlink  # a link to a directory is a directory, as os.scandir's is_dir() says
+            out.append((name, archive.isdir(f"{inner}/{name}" if inner else name) if follow else st.is_dir))
+        return out
+
+    def subdirs(self, path: str) -> list[str]:
+        inner = self.inner_path(path)
+        if not self.archive.isdir(inner):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+        return [name for name, is_dir in self._entries(inner) if is_dir]
+
+    def isdir(self, path: str) -> bool:
+        return self.archive.isdir(self.inner_path(path))
+
+    def walk(self, path: str) -> Iterator[tuple[str, list[str], list[str]]]:
+        """Top-down like ``os.walk(followlinks=True)``; a symlink back to an ancestor is not re-entered
+        (``os.walk`` would recurse until the path is too long)."""
+        archive = self.archive
+        top = self.inner_path(path)
+        if not archive.isdir(top):
+            return
+        stack: list[tuple[str, frozenset[int]]] = [(top, frozenset((archive.stat(top).ino,)))]
+        while stack:
+            inner, ancestors = stack.pop()
+            dirs, files = [], []
+            for name, is_dir in self._entries(inner):
+                (dirs if is_dir else files).append(name)
+            yield self._prefix + inner, dirs, files
+            for name in reversed(dirs):
+                child = f"{inner}/{name}" if inner else name
+                ino = archive.stat(child).ino
+                if ino not in ancestors:
+                    stack.append((child, ancestors | {ino}))
+
+    def read(self, path: str) -> bytes:
+        return self.archive.read(self.inner_path(path))
+
+    def open(self, path: str) -> BinaryIO:
+        return self.archive.open(self.inner_path(path))
+
+    def extract(self, path: str, dest: str) -> str:
+        """Copy one member to ``dest/<path relative to the root>`` (symlinks resolved to their data)."""
+        rel = self.relpath(path)
+        out = os.path.join(dest, *rel.split("/"))
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        tmp = out + ".cdmlfs-partial"
+        with self.open(path) as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, 4 << 20)
+        os.replace(tmp, out)
+        return out
+
+    def archive_positions(self, paths: list[str]) -> list[int]:
+        archive = self.archive
+        rank = {p: i for i, p in enumerate(archive.archive_order())}
+        end = len(rank)
+        out = []
+        for path in paths:
+            inner = self.inner_path(path)
+            pos = rank.get(inner)
+            if pos is None:  # a symlink: sort it with the member holding its bytes
+                try:
+                    pos = rank.get(archive.stat(inner).path, end)
+                except Exception:
+                    pos = end
+            out.append(pos)
+        return out
+
+
+def resolve_root(root: str | os.PathLike, **open_kwargs: Any) -> Tree:
+    """Parse a dataset root (see the module docstring) into a :class:`Tree`; checks it exists."""
+    text = os.path.expanduser(os.fspath(root))
+    if not is_uri(text):
+        if os.path.isdir(text):
+            return LocalTree(text)
+        if os.path.isfile(text):
+            return ArchiveTree(text, "", **open_kwargs).check()
+    if SEP in text:
+        location, _, inner = text.partition(SEP)
+        return ArchiveTree(location, inner, **open_kwargs).check()
+    if is_uri(text):
+        return ArchiveTree(text, "", **open_kwargs).check()
+    head, rest = text, ""
+    while head and not os.path.lexists(head):
+        parent, name = os.path.split(head.rstrip("/"))
+        if parent == head or not name:
+            break
+        rest = f"{name}/{rest}" if rest else name
+        head = parent
+    if head and rest and os.path.isfile(head):
+        return ArchiveTree(head, rest, **open_kwargs).check()
+    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), text)

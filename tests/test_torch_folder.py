@@ -1,0 +1,305 @@
+"""ArchiveImageFolder against torchvision's ImageFolder on the extracted tree and on a real mount."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+torchvision = pytest.importorskip("torchvision")
+np = pytest.importorskip("numpy")
+from mountutil import mounted, unzip  # noqa: E402
+from PIL import Image  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+from torchvision import transforms  # noqa: E402
+from torchvision.datasets import ImageFolder  # noqa: E402
+
+import cdmlfs_torch  # noqa: E402
+from cdmlfs_torch import (  # noqa: E402
+    ArchiveDatasetFolder,
+    ArchiveImageFolder,
+    default_loader,
+    handles,
+    read_sample,
+    split_sample_path,
+)
+
+H, W = 12, 16
+
+
+def _image(path: Path, seed: int, mode: str = "RGB", fmt: str | None = None) -> None:
+    rng = np.random.default_rng(seed)
+    shape = (H, W, 3) if mode == "RGB" else (H, W)
+    Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode).save(path, fmt)
+
+
+def make_tree(root: Path) -> Path:
+    """A class tree with the orderings, extensions and links that trip up re-implementations."""
+    files = {
+        "cat/b.jpg": "RGB",
+        "cat/A.JPG": "RGB",  # upper case extension, sorts before lower case
+        "cat/sub/x.png": "L",  # grayscale, converted to RGB
+        "cat/sub-dir/y.jpeg": "RGB",  # "sub-dir" < "sub/..." as strings: torchvision sorts walk roots
+        "cat/sub/deeper/z.bmp": "RGB",
+        "dog/ü-名.webp": "RGB",
+        "dog/1.tif": "RGB",
+        "dog/notes.txt": None,  # not an image
+        "dog/.hidden.png": "RGB",
+        "Zebra/p.ppm": "RGB",  # capital letters sort first
+        "bird/nested/only.pgm": "L",
+    }
+    seed = 0
+    for rel, mode in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if mode is None:
+            p.write_text("not an image")
+        else:
+            _image(p, seed, mode)
+            seed += 1
+    (root / "readme.txt").write_text("a file at the top is not a class")
+    os.symlink("../cat/b.jpg", root / "dog/link_to_cat.jpg")  # file symlink inside the tree
+    os.symlink("sub", root / "cat/zlink")  # directory symlink: os.walk(followlinks=True) enters it
+    return root
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("folder")
+    make_tree(base / "src" / "train")
+    (base / "src" / "val").mkdir()
+    zip_path = base / "data.zip"
+    subprocess.run(["zip", "-q", "-r", "-y", str(zip_path), "."], cwd=base / "src", check=True)
+    extracted = unzip(zip_path, base / "extracted")
+    return {"zip": zip_path, "extracted": extracted / "train", "base": base}
+
+
+def relpaths(ds, root: str) -> list[tuple[str, int]]:
+    return [(os.path.relpath(p, root), t) for p, t in ds.samples]
+
+
+def assert_same_dataset(ours, theirs, theirs_root: str) -> None:
+    assert ours.classes == theirs.classes
+    assert ours.class_to_idx == theirs.class_to_idx
+    assert [(ours.tree.relpath(p), t) for p, t in ours.samples] == relpaths(theirs, theirs_root)
+    assert ours.targets == theirs.targets
+    assert ours.imgs is ours.samples
+    assert len(ours) == len(theirs)
+
+
+@pytest.mark.parametrize("form", ["sep", "shorthand"])
+def test_same_samples_as_torchvision(trees: dict[str, Path], form: str) -> None:
+    root = f"{trees['zip']}::train" if form == "sep" else f"{trees['zip']}/train"
+    theirs = ImageFolder(str(trees["extracted"]))
+    ours = ArchiveImageFolder(root)
+    assert_same_dataset(ours, theirs, str(trees["extracted"]))
+    # Sample paths name the archive and the member; they read back anywhere.
+    path = ours.samples[0][0]
+    assert path == f"{trees['zip']}::train/{ours.tree.relpath(path)}"
+    assert split_sample_path(path) == (str(trees["zip"]), f"train/{ours.tree.relpath(path)}")
+    assert read_sample(path) == (trees["extracted"] / ours.tree.relpath(path)).read_bytes()
+    # The symlinked directory and file are seen, as os.walk(followlinks=True) sees them.
+    rels = {ours.tree.relpath(p) for p, _ in ours.samples}
+    assert {"cat/zlink/x.png", "dog/link_to_cat.jpg", "dog/.hidden.png"} <= rels
+
+
+def test_decoded_images_equal_torchvision(trees: dict[str, Path]) -> None:
+    theirs = ImageFolder(str(trees["extracted"]))
+    ours = ArchiveImageFolder(f"{trees['zip']}::train")
+    for i in range(len(ours)):
+        a, ta = ours[i]
+        b, tb = theirs[i]
+        assert ta == tb and a.mode == b.mode == "RGB"
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_whole_archive_and_directory_roots(trees: dict[str, Path]) -> None:
+    top = ArchiveImageFolder(str(trees["zip"]), allow_empty=True)  # classes: train, val (empty)
+    assert top.classes == ["train", "val"]
+    assert top.root_path == f"{trees['zip']}::"
+    assert all(p.startswith(f"{trees['zip']}::train/") for p, _ in top.samples)
+    local = ArchiveImageFolder(str(trees["extracted"]))  # a plain directory: torchvision's paths
+    theirs = ImageFolder(str(trees["extracted"]))
+    assert local.samples == theirs.samples and local.classes == theirs.classes
+
+
+@pytest.mark.parametrize(
+    ("workers", "context"), [(0, None), (2, "fork"), pytest.param(2, "spawn", marks=pytest.mark.slow)]
+)
+def test_dataloader_tensors_equal_torchvision(
+    trees: dict[str, Path], workers: int, context: str | None
+) -> None:
+    tf = transforms.ToTensor()
+    theirs = ImageFolder(str(trees["extracted"]), transform=tf)
+    ours = ArchiveImageFolder(f"{trees['zip']}::train", transform=tf)
+    kw = {"num_workers": workers, "batch_size": 3}
+    if context:
+        kw["multiprocessing_context"] = context
+    got = list(DataLoader(ours, **kw))
+    want = list(DataLoader(theirs, batch_size=3))
+    assert len(got) == len(want)
+    for (xa, ya), (xb, yb) in zip(got, want, strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def _record_open(pid_dir: str):
+    """Wrap cdmlfs.open so every process that opens an archive leaves its pid behind."""
+    import cdmlfs
+
+    real = cdmlfs.open
+
+    def spy(location, **kw):
+        Path(pid_dir, str(os.getpid())).touch()
+        return real(location, **kw)
+
+    return spy
+
+
+def test_fork_workers_open_their_own_handle(
+    trees: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cdmlfs
+
+    handles.close_all()
+    monkeypatch.setattr(cdmlfs, "open", _record_open(str(tmp_path)))
+    ds = ArchiveImageFolder(f"{trees['zip']}::train", transform=transforms.ToTensor())
+    assert {p.name for p in tmp_path.iterdir()} == {str(os.getpid())}  # the parent listed the classes
+    loader = DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context="fork")
+    assert sum(len(y) for _, y in loader) == len(ds)
+    pids = {p.name for p in tmp_path.iterdir()}
+    assert len(pids) == 3 and str(os.getpid()) in pids  # parent + one handle per worker
+
+
+def test_pickles_small_without_handle(trees: dict[str, Path]) -> None:
+    ds = ArchiveImageFolder(f"{trees['zip']}::train")
+    ds[0]  # the handle is open and has read data
+    blob = pickle.dumps(ds)
+    assert b"cdmlfs.archive" not in blob and b"ExtentCache" not in blob
+    assert len(blob) < 1500 + sum(len(p) + 8 for p, _ in ds.samples)
+    clone = pickle.loads(blob)
+    assert clone.samples == ds.samples
+    assert np.array_equal(np.asarray(clone[3][0]), np.asarray(ds[3][0]))
+
+
+def test_is_valid_file_gets_sample_paths(trees: dict[str, Path]) -> None:
+    seen: list[str] = []
+
+    def only_txt(path: str) -> bool:
+        seen.append(path)
+        return path.endswith(".txt")
+
+    ours = ArchiveImageFolder(f"{trees['zip']}::train", is_valid_file=only_txt, allow_empty=True)
+    theirs = ImageFolder(
+        str(trees["extracted"]), is_valid_file=lambda p: p.endswith(".txt"), allow_empty=True
+    )
+    assert_same_dataset(ours, theirs, str(trees["extracted"]))
+    assert all(p.startswith(f"{trees['zip']}::train/") for p in seen)
+    assert [ours.tree.relpath(p) for p, _ in ours.samples] == ["dog/notes.txt"]
+
+
+def _error(fn) -> tuple[type, str]:
+    with pytest.raises(Exception) as info:
+        fn()
+    return info.type, str(info.value)
+
+
+def test_errors_match_torchvision(trees: dict[str, Path]) -> None:
+    zip_path, extracted = trees["zip"], trees["extracted"]
+    # Empty classes (no valid file): same type and same message (it names classes, not paths).
+    theirs = _error(lambda: ImageFolder(str(extracted), is_valid_file=lambda p: p.endswith(".txt")))
+    ours = _error(
+        lambda: ArchiveImageFolder(f"{zip_path}::train", is_valid_file=lambda p: p.endswith(".txt"))
+    )
+    assert ours == theirs and theirs[0] is FileNotFoundError
+    theirs = _error(lambda: ImageFolder(str(trees["base"] / "extracted")))  # classes train, val; val empty
+    ours = _error(lambda: ArchiveImageFolder(str(zip_path)))
+    assert ours == theirs and "val" in ours[1] and "Supported extensions are: .jpg" in ours[1]
+    # No class folder: the message names the root as given.
+    theirs = _error(lambda: ImageFolder(str(extracted / "bird" / "nested")))
+    ours = _error(lambda: ArchiveImageFolder(f"{zip_path}::train/bird/nested"))
+    assert ours[0] is theirs[0] is FileNotFoundError
+    assert ours[1] == theirs[1].replace(str(extracted / "bird" / "nested"), f"{zip_path}::train/bird/nested")
+    # extensions and is_valid_file together (or neither): ValueError, same message.
+    for ext, fn in ((None, None), ((".jpg",), lambda p: True)):
+        theirs = _error(
+            lambda ext=ext, fn=fn: torchvision.datasets.DatasetFolder(
+                str(extracted), default_loader, ext, is_valid_file=fn
+            )
+        )
+        ours = _error(
+            lambda ext=ext, fn=fn: ArchiveDatasetFolder(
+                f"{zip_path}::train", default_loader, ext, is_valid_file=fn
+            )
+        )
+        assert ours == theirs and ours[0] is ValueError
+    with pytest.raises(ValueError, match="at least one entry"):
+        cdmlfs_torch.make_dataset(f"{zip_path}::train", {}, extensions=(".jpg",))
+
+
+def test_missing_roots(trees: dict[str, Path], tmp_path: Path) -> None:
+    zip_path = trees["zip"]
+    with pytest.raises(FileNotFoundError):
+        ArchiveImageFolder(str(tmp_path / "nope.zip"))
+    with pytest.raises(FileNotFoundError):
+        ArchiveImageFolder(f"{zip_path}::no/such/folder")
+    with pytest.raises(FileNotFoundError):
+        ArchiveImageFolder(f"{zip_path}/no/such/folder")
+    with pytest.raises(NotADirectoryError):
+        ArchiveImageFolder(f"{zip_path}::train/cat/b.jpg")
+
+
+def test_allow_empty_keeps_empty_classes(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    for d in ("a", "b", "c"):
+        (src / d).mkdir(parents=True)
+    _image(src / "a" / "1.png", 1)
+    (src / "c" / "x.txt").write_text("x")
+    with zipfile.ZipFile(tmp_path / "d.zip", "w") as zf:  # explicit directory entries keep b/ and c/
+        for p in sorted(src.rglob("*")):
+            zf.write(p, p.relative_to(src).as_posix())
+    ours = ArchiveImageFolder(str(tmp_path / "d.zip"), allow_empty=True)
+    theirs = ImageFolder(str(src), allow_empty=True)
+    assert_same_dataset(ours, theirs, str(src))
+    assert ours.classes == ["a", "b", "c"]
+
+
+def test_overridden_find_classes_is_used(trees: dict[str, Path]) -> None:
+    class OnlyCats(ArchiveImageFolder):
+        def find_classes(self, directory):
+            return ["cat"], {"cat": 0}
+
+    class TvOnlyCats(ImageFolder):
+        def find_classes(self, directory):
+            return ["cat"], {"cat": 0}
+
+    ours = OnlyCats(f"{trees['zip']}::train")
+    theirs = TvOnlyCats(str(trees["extracted"]))
+    assert_same_dataset(ours, theirs, str(trees["extracted"]))
+
+
+def test_extract_a_bad_sample(trees: dict[str, Path], tmp_path: Path) -> None:
+    ds = ArchiveImageFolder(f"{trees['zip']}::train")
+    out = ds.extract(0, tmp_path / "inspect")
+    rel = ds.relpath(0)
+    assert out == str(tmp_path / "inspect" / rel)
+    assert Path(out).read_bytes() == (trees["extracted"] / rel).read_bytes()
+
+
+@pytest.mark.fuse
+def test_stock_imagefolder_on_mount_equals_archive_reads(trees: dict[str, Path], mnt: Path) -> None:
+    tf = transforms.ToTensor()
+    with mounted(trees["zip"], mnt):
+        stock = ImageFolder(str(mnt / "train"), transform=tf)
+        via_mount = ArchiveImageFolder(str(mnt / "train"), transform=tf)  # a directory: plain file reads
+        direct = ArchiveImageFolder(f"{trees['zip']}::train", transform=tf)
+        assert via_mount.samples == stock.samples
+        assert_same_dataset(direct, stock, str(mnt / "train"))
+        for (xa, ya), (xb, yb) in zip(
+            DataLoader(direct, 4), DataLoader(stock, 4, num_workers=2), strict=True
+        ):
+            assert torch.equal(xa, xb) and torch.equal(ya, yb)
