@@ -1,0 +1,71 @@
+"""How long a training loop waited for its data: per-batch waits and throughput of one pass.
+
+"Data stall" is the share of wall time the consumer spent inside ``next()``:
+the part of each step that faster data loading could remove. The first batch
+(worker start-up, prefetch fill) is reported apart, because a long run
+amortises it and a short benchmark would otherwise be dominated by it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+
+class LoaderMetrics:
+    """Accumulates the waits of one pass over a loader; :meth:`as_dict` summarises them."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.last = self.start
+        self.first_done = self.start
+        self.end: float | None = None
+        self.waits: list[float] = []
+
+    def add_wait(self, seconds: float) -> None:
+        """Record one batch's wait; call it just before handing the batch out."""
+        self.waits.append(seconds)
+        self.last = time.perf_counter()
+        if len(self.waits) == 1:
+            self.first_done = self.last
+
+    def finish(self) -> None:
+        """The pass ended (StopIteration): the last batch's consumption counts as elapsed time."""
+        if self.end is None:
+            self.end = time.perf_counter()
+
+    def as_dict(self) -> dict[str, Any]:
+        waits = self.waits
+        n = len(waits)
+        stop = self.end if self.end is not None else self.last
+        elapsed = max(stop - self.start, 1e-12)
+        total_wait = sum(waits)
+        out: dict[str, Any] = {
+            "batches": n,
+            "elapsed_s": elapsed if n else 0.0,
+            "batches_per_s": n / elapsed if n else 0.0,
+            "wait_s": total_wait,
+            "wait_fraction": total_wait / elapsed if n else 0.0,
+            "first_wait_s": waits[0] if n else 0.0,
+            "wait_ms_mean": 1e3 * total_wait / n if n else 0.0,
+            "wait_ms_p50": 1e3 * statistics.median(waits) if n else 0.0,
+            "wait_ms_p95": 1e3 * _quantile(waits, 0.95) if n else 0.0,
+            "wait_ms_max": 1e3 * max(waits) if n else 0.0,
+        }
+        # Steady state: from the moment the first batch was handed out. Until the pass
+        # ends, the batch last handed out is still being consumed: not counted.
+        consumed = n if self.end is not None else n - 1
+        if consumed > 0:
+            steady_elapsed = max(stop - self.first_done, 1e-12)
+            out["steady_batches_per_s"] = consumed / steady_elapsed
+            out["steady_wait_fraction"] = (total_wait - waits[0]) / steady_elapsed
+        else:
+            out["steady_batches_per_s"] = 0.0
+            out["steady_wait_fraction"] = 0.0
+        return out
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

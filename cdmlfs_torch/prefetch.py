@@ -1,0 +1,268 @@
+"""``GPUPrefetchLoader``: batches reach the GPU while the previous step computes.
+
+What happens to each batch on CUDA:
+
+1. It comes from the wrapped loader, ideally already in pinned memory
+   (``DataLoader(pin_memory=True)`` pins in a background thread; unpinned
+   tensors are pinned here, on the consumer's thread).
+2. On a side stream: a ``non_blocking`` host-to-device copy, then, for uint8
+   images (4-D ``N,C,H,W`` by default), conversion to float and
+   ``(x / 255 - mean) / std`` — on the GPU, where it is nearly free and the
+   copy moves a quarter of the bytes of a float batch.
+3. An event recorded on the side stream marks the batch ready. ``prefetch``
+   batches are kept in flight ahead of the consumer.
+4. When the consumer takes the batch, its current stream waits for that
+   event (on the GPU, not the host), and every tensor handed out gets
+   ``record_stream(consumer stream)``: the memory was allocated on the side
+   stream, and without this the caching allocator could give it to the next
+   copy as soon as the consumer drops the tensor, while kernels reading it
+   are still queued.
+
+Without CUDA (or with ``device="cpu"``) it is a transparent pass-through that
+applies the same normalisation on the CPU, so the arithmetic is tested on any
+machine. Batches may be tensors or any nesting of tuples, named tuples,
+lists and dicts; other leaves pass through untouched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from cdmlfs_torch.metrics import LoaderMetrics
+
+
+def default_is_image(t: torch.Tensor) -> bool:
+    """uint8 and 4-D: a batch of images, channels in dim 1 (``N,C,H,W``)."""
+    return t.dtype == torch.uint8 and t.dim() == 4
+
+
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Apply ``fn`` to every tensor in a nested batch, keeping the container types."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
+        return type(batch)(*(map_tensors(b, fn) for b in batch))
+    if isinstance(batch, tuple):
+        return tuple(map_tensors(b, fn) for b in batch)
+    if isinstance(batch, list):
+        return [map_tensors(b, fn) for b in batch]
+    if isinstance(batch, Mapping):
+        mapped = {k: map_tensors(v, fn) for k, v in batch.items()}
+        try:
+            return type(batch)(mapped)
+        except TypeError:
+            return mapped
+    return batch
+
+
+class GPUPrefetchLoader:
+    """Wraps a loader: batches arrive on ``device``, uint8 images normalised, copies overlapped.
+
+    Args:
+        loader: any iterable of batches (usually a ``DataLoader``, best with ``pin_memory=True``).
+        device: target device; CUDA unavailable or ``"cpu"`` means a CPU pass-through.
+        prefetch: batches in flight ahead of the consumer (at least 1).
+        mean, std: per-channel, in 0..1 units (torchvision's ImageNet values work as they are);
+            images become ``(x / 255 - mean) / std``. Without them just ``x / 255``.
+        channels_last: images come out in ``torch.channels_last`` memory format.
+        dtype: floating type of normalised images (computed in float32, then cast).
+        is_image: which tensors are images to normalise (default: uint8, 4-D).
+
+    ``len()`` is the wrapped loader's; each ``iter()`` is a fresh pass (a new
+    epoch of the wrapped loader). :meth:`metrics` describes the latest pass.
+    """
+
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        device: str | torch.device = "cuda",
+        prefetch: int = 2,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        channels_last: bool = False,
+        dtype: torch.dtype = torch.float32,
+        is_image: Callable[[torch.Tensor], bool] = default_is_image,
+    ) -> None:
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be at least 1, not {prefetch}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating type, not {dtype}")
+        self.loader = loader
+        requested = torch.device(device)
+        self.use_cuda = requested.type == "cuda" and torch.cuda.is_available()
+        if self.use_cuda and requested.index is None:
+            requested = torch.device("cuda", torch.cuda.current_device())
+        self.device = requested if self.use_cuda or requested.type not in ("cuda", "cpu") else None
+        self.prefetch = prefetch
+        self.channels_last = channels_last
+        self.dtype = dtype
+        self.is_image = is_image
+        self._mean = None if mean is None else torch.tensor(list(mean), dtype=torch.float32).view(1, -1, 1, 1)
+        self._std = None if std is None else torch.tensor(list(std), dtype=torch.float32).view(1, -1, 1, 1)
+        if self._mean is not None and self._std is not None and self._mean.numel() != self._std.numel():
+            raise ValueError("mean and std must have the same number of channels")
+        self._stats: dict[torch.device | None, tuple[Any, Any]] = {}
+        self._stream: torch.cuda.Stream | None = None
+        self._metrics = LoaderMetrics()
+
+    # -- wrapped loader's face -------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        """``sampler``, ``dataset``, ``batch_size``… of the wrapped loader."""
+        if name.startswith("_") or name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._metrics = LoaderMetrics()
+        if self.use_cuda:
+            return _CudaPrefetchIterator(self, self._metrics)
+        return _PassThroughIterator(self, self._metrics)
+
+    def metrics(self) -> dict[str, Any]:
+        """Consumer waits and throughput of the latest pass (see :class:`LoaderMetrics`)."""
+        return self._metrics.as_dict()
+
+    @property
+    def wait_times(self) -> list[float]:
+        """Seconds the consumer waited for each batch of the latest pass."""
+        return list(self._metrics.waits)
+
+    # -- conversion --------------------------------------------------------------
+    def _stats_on(self, device: torch.device | None) -> tuple[Any, Any]:
+        if device not in self._stats:
+            move = (lambda t: t) if device is None else (lambda t: t.to(device))
+            self._stats[device] = (
+                None if self._mean is None else move(self._mean),
+                None if self._std is None else move(self._std),
+            )
+        return self._stats[device]
+
+    def normalize(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 ``N,C,H,W`` -> ``(x / 255 - mean) / std`` in ``dtype``, on the images' device."""
+        mean, std = self._stats_on(images.device if images.device.type != "cpu" else None)
+        channels = images.shape[1]
+        for name, stat in (("mean", mean), ("std", std)):
+            if stat is not None and stat.numel() != channels:
+                raise ValueError(f"{name} has {stat.numel()} values but the images have {channels} channels")
+        fmt = torch.channels_last if self.channels_last else torch.preserve_format
+        out = images.to(torch.float32, memory_format=fmt)
+        out.div_(255)
+        if mean is not None:
+            out.sub_(mean)
+        if std is not None:
+            out.div_(std)
+        return out if self.dtype == torch.float32 else out.to(self.dtype)
+
+    def _convert(self, t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+        """One tensor: to ``device`` (None: stay on the CPU), normalised if it is an image."""
+        if device is not None and t.device != device:
+            if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+                t = t.pin_memory()
+            t = t.to(device, non_blocking=True)
+        return self.normalize(t) if self.is_image(t) else t
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        return self._stream
+
+
+class _PassThroughIterator:
+    """CPU (or a device without streams): convert each batch synchronously, time the waits."""
+
+    def __init__(self, owner: GPUPrefetchLoader, metrics: LoaderMetrics) -> None:
+        self._owner = owner
+        self._metrics = metrics
+        self._it = iter(owner.loader)
+        self._done = False
+
+    def __iter__(self) -> _PassThroughIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        t0 = time.perf_counter()
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self._done = True
+            self._metrics.finish()
+            raise
+        owner = self._owner
+        out = map_tensors(batch, lambda t: owner._convert(t, owner.device))
+        self._metrics.add_wait(time.perf_counter() - t0)
+        return out
+
+
+class _CudaPrefetchIterator:
+    """Keeps ``prefetch`` batches copying on a side stream ahead of the consumer."""
+
+    def __init__(self, owner: GPUPrefetchLoader, metrics: LoaderMetrics) -> None:
+        self._owner = owner
+        self._metrics = metrics
+        self._it = iter(owner.loader)
+        self._stream = owner._side_stream()
+        # (device batch, ready event, host batch kept alive until the copy is consumed)
+        self._queue: deque[tuple[Any, torch.cuda.Event, Any]] = deque()
+        self._exhausted = False
+        self._error: BaseException | None = None
+        self._started = False
+
+    def __iter__(self) -> _CudaPrefetchIterator:
+        return self
+
+    def _issue_one(self) -> None:
+        """Take the next host batch and queue its copy and normalisation on the side stream."""
+        if self._exhausted:
+            return
+        try:
+            host = next(self._it)
+        except StopIteration:
+            self._exhausted = True
+            return
+        except Exception as exc:  # raised once the batches before it have been handed out
+            self._exhausted = True
+            self._error = exc
+            return
+        owner = self._owner
+        device = owner.device
+        with torch.cuda.stream(self._stream):
+            dev = map_tensors(host, lambda t: owner._convert(t, device))
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        self._queue.append((dev, ready, host))
+
+    def __next__(self) -> Any:
+        t0 = time.perf_counter()
+        if not self._started:
+            self._started = True
+            for _ in range(self._owner.prefetch):
+                self._issue_one()
+        if not self._queue:
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            self._metrics.finish()
+            raise StopIteration
+        dev, ready, _host = self._queue.popleft()
+        self._issue_one()  # keep `prefetch` copies in flight while this batch is consumed
+        consumer = torch.cuda.current_stream(self._owner.device)
+        consumer.wait_event(ready)
+
+        def hand_over(t: torch.Tensor) -> torch.Tensor:
+            if t.is_cuda:
+                t.record_stream(consumer)
+            return t
+
+        map_tensors(dev, hand_over)
+        self._metrics.add_wait(time.perf_counter() - t0)
+        return dev

@@ -1,0 +1,171 @@
+"""GPUPrefetchLoader's CPU pass-through: the normalisation arithmetic, loader semantics, metrics."""
+
+from __future__ import annotations
+
+import time
+from collections import namedtuple
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch.utils.data import DataLoader, Dataset, TensorDataset  # noqa: E402
+
+from cdmlfs_torch import GPUPrefetchLoader  # noqa: E402
+
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+
+
+def image_loader(n: int = 20, batch: int = 4) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (n, 3, 5, 7), dtype=torch.uint8, generator=g)
+    labels = torch.arange(n)
+    return DataLoader(TensorDataset(images, labels), batch_size=batch)
+
+
+def manual(x: torch.Tensor, mean=MEAN, std=STD) -> torch.Tensor:
+    m = torch.tensor(mean).view(1, -1, 1, 1)
+    s = torch.tensor(std).view(1, -1, 1, 1)
+    return (x.float() / 255 - m) / s
+
+
+def cpu_only(**kw) -> dict:
+    return {"device": "cpu", **kw}
+
+
+def test_normalises_like_the_manual_formula() -> None:
+    base = image_loader()
+    loader = GPUPrefetchLoader(base, **cpu_only(mean=MEAN, std=STD))
+    for (x, y), (xr, yr) in zip(loader, base, strict=True):
+        assert x.dtype == torch.float32 and x.shape == xr.shape
+        assert torch.equal(x, manual(xr))
+        assert y is not None and torch.equal(y, yr) and y.dtype == torch.int64  # labels untouched
+
+
+def test_without_mean_it_is_to_tensor_scaling() -> None:
+    base = image_loader()
+    x, _ = next(iter(GPUPrefetchLoader(base, device="cpu")))
+    assert torch.equal(x, next(iter(base))[0].float() / 255)
+    x, _ = next(iter(GPUPrefetchLoader(base, device="cpu", mean=MEAN)))  # mean only: std 1
+    assert torch.equal(x, next(iter(base))[0].float() / 255 - torch.tensor(MEAN).view(1, 3, 1, 1))
+
+
+def test_len_epochs_and_stop_iteration() -> None:
+    base = image_loader(n=22, batch=4)
+    loader = GPUPrefetchLoader(base, device="cpu", mean=MEAN, std=STD)
+    assert len(loader) == len(base) == 6
+    for _ in range(3):  # re-iterable: each pass is a new epoch of the wrapped loader
+        assert sum(len(y) for _, y in loader) == 22
+    it = iter(loader)
+    for _ in range(6):
+        next(it)
+    for _ in range(2):
+        with pytest.raises(StopIteration):
+            next(it)
+    assert loader.batch_size == 4 and loader.dataset is base.dataset  # the wrapped loader's attributes
+
+
+def test_without_cuda_device_cuda_is_a_pass_through() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: covered by test_torch_cuda.py")
+    base = image_loader()
+    loader = GPUPrefetchLoader(base, mean=MEAN, std=STD)  # device="cuda" by default
+    assert not loader.use_cuda
+    x, _ = next(iter(loader))
+    assert x.device.type == "cpu" and torch.equal(x, manual(next(iter(base))[0]))
+
+
+Pair = namedtuple("Pair", "image mask")
+
+
+class Nested(Dataset):
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int):
+        img = torch.full((3, 2, 2), i * 10, dtype=torch.uint8)
+        return {
+            "pair": Pair(img, torch.ones(2, 2, dtype=torch.uint8)),  # the mask is 3-D per batch: not an image
+            "list": [img.float(), torch.tensor(i)],
+            "name": f"sample{i}",
+        }
+
+
+def test_nested_batches_keep_their_structure() -> None:
+    base = DataLoader(Nested(), batch_size=3)
+    out = next(iter(GPUPrefetchLoader(base, device="cpu", mean=MEAN, std=STD)))
+    ref = next(iter(base))
+    assert set(out) == {"pair", "list", "name"} and isinstance(out["pair"], Pair)
+    assert torch.equal(out["pair"].image, manual(ref["pair"].image))
+    assert out["pair"].mask.dtype == torch.uint8  # 3-D uint8 (N,H,W) is not an image batch
+    assert out["list"][0] is ref["list"][0] or torch.equal(out["list"][0], ref["list"][0])  # float: untouched
+    assert out["name"] == ["sample0", "sample1", "sample2"]
+
+
+def test_channels_last_dtype_and_custom_image_rule() -> None:
+    base = image_loader()
+    x, _ = next(iter(GPUPrefetchLoader(base, device="cpu", mean=MEAN, std=STD, channels_last=True)))
+    assert x.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(x, manual(next(iter(base))[0]))
+    x, _ = next(iter(GPUPrefetchLoader(base, device="cpu", mean=MEAN, std=STD, dtype=torch.bfloat16)))
+    assert x.dtype == torch.bfloat16
+    assert torch.allclose(x.float(), manual(next(iter(base))[0]), atol=2e-2)
+    x, _ = next(iter(GPUPrefetchLoader(base, device="cpu", is_image=lambda t: False)))
+    assert x.dtype == torch.uint8
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="same number of channels"):
+        GPUPrefetchLoader(image_loader(), device="cpu", mean=(0.5, 0.5, 0.5), std=(0.5,))
+    with pytest.raises(ValueError, match="channels"):
+        next(iter(GPUPrefetchLoader(image_loader(), device="cpu", mean=(0.5, 0.5))))
+    with pytest.raises(ValueError):
+        GPUPrefetchLoader(image_loader(), device="cpu", prefetch=0)
+    with pytest.raises(ValueError):
+        GPUPrefetchLoader(image_loader(), device="cpu", dtype=torch.int32)
+
+
+class Slow(Dataset):
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int):
+        time.sleep(0.02)
+        return torch.zeros(3, 2, 2, dtype=torch.uint8)
+
+
+def test_metrics_measure_consumer_waits() -> None:
+    loader = GPUPrefetchLoader(DataLoader(Slow(), batch_size=2), device="cpu")
+    assert loader.metrics()["batches"] == 0
+    for _ in loader:
+        time.sleep(0.01)  # "compute"
+    m = loader.metrics()
+    assert m["batches"] == 3 and len(loader.wait_times) == 3
+    assert all(w >= 0.035 for w in loader.wait_times)  # two 20 ms samples per batch
+    assert 0.5 < m["wait_fraction"] < 1.0 and 0.5 < m["steady_wait_fraction"] < 1.0
+    assert m["elapsed_s"] >= m["wait_s"] + 0.025
+    assert abs(m["batches_per_s"] - 3 / m["elapsed_s"]) < 1e-9
+    assert m["wait_ms_max"] >= m["wait_ms_p50"] >= 35
+    for key in ("first_wait_s", "wait_ms_mean", "wait_ms_p95", "steady_batches_per_s"):
+        assert key in m
+    next(iter(loader))
+    assert loader.metrics()["batches"] == 1  # a new pass starts new metrics
+
+
+class Broken(Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        if i == 3:
+            raise RuntimeError("bad sample 3")
+        return torch.zeros(1)
+
+
+def test_errors_of_the_wrapped_loader_propagate() -> None:
+    loader = GPUPrefetchLoader(DataLoader(Broken(), batch_size=1), device="cpu")
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    with pytest.raises(RuntimeError, match="bad sample 3"):
+        next(it)
