@@ -19,7 +19,9 @@ from setuptools.command.build_ext import build_ext
 from setuptools.errors import CCompilerError, ExecError, PlatformError
 
 REQUIRE_NATIVE = os.environ.get("CDMLFS_REQUIRE_NATIVE") == "1"
-SOURCES = sorted(os.path.join("native", name) for name in os.listdir("native") if name.endswith(".c"))
+# Each extension's sources; everything else under native/ is shared headers.
+NATIVE_SOURCES = ["native/cdmlfs_native.c"]
+FASTPATH_SOURCES = ["native/fastpath.c"]
 
 
 def _warn(message: str) -> None:
@@ -89,9 +91,12 @@ class OptionalBuildExt(build_ext):
 
 NATIVE = Extension(
     "cdmlfs._native",
-    sources=SOURCES,
+    sources=NATIVE_SOURCES,
     # Lets setuptools skip the missing library when copying editable outputs.
     optional=not REQUIRE_NATIVE,
 )
 
-setup(ext_modules=[NATIVE], cmdclass={"build_ext": OptionalBuildExt})
+# The FUSE hot path in C (getattr/read callbacks); see native/fastpath.c.
+FASTPATH = Extension("cdmlfs._fastpath", sources=FASTPATH_SOURCES, optional=not REQUIRE_NATIVE)
+
+setup(ext_modules=[NATIVE, FASTPATH], cmdclass={"build_ext": OptionalBuildExt})

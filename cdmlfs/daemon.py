@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from cdmlfs import fastpath
 from cdmlfs.archive import Archive
 from cdmlfs.errors import CdmlfsError
 from cdmlfs.fuse_ops import ArchiveOperations, load_mfusepy, make_fuse_class
@@ -123,8 +124,13 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
     if opts.pid_file:
         with open(opts.pid_file, "w") as f:
             f.write(f"{os.getpid()}\n")
+    fast, why = fastpath.availability(mfusepy.fuse_version_major)
+    table = fastpath.build_table(archive) if fast else None
+    ops.fast_table = table
+    log.debug("C fast path: %s", why if fast else f"off ({why})")
     try:
-        fuse_cls(ops, opts.mountpoint, raw_fi=True, encoding="utf-8", errors="surrogateescape", **fuse_kwargs)
+        with fastpath.installed(mfusepy, table) if table is not None else contextlib.nullcontext():
+            fuse_cls(ops, opts.mountpoint, raw_fi=True, errors="surrogateescape", **fuse_kwargs)
     except RuntimeError as exc:
         # libfuse's main returns non-zero when its loop ended on SIGTERM/SIGINT/SIGHUP; after a
         # successful mount that is the normal way to stop, and libfuse has unmounted by now.

@@ -78,6 +78,7 @@ class ArchiveOperations:
         self._logged: set[int] = set()
         self._log_lock = threading.Lock()
         self.ready_callback = None  # called once libfuse has mounted and initialised
+        self.fast_table = None  # the C fast path's table when active (its counters feed stats)
 
     # -- helpers -------------------------------------------------------------
     def _eid(self, path: str) -> int:

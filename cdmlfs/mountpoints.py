@@ -73,8 +73,10 @@ def check_mountpoint(path: str, allow_nonempty: bool = False) -> str:
     if not os.path.isdir(path):
         raise UsageError(f"{path}: mount point is not a directory")
     real = os.path.realpath(path)
-    if is_mounted(real):
-        raise UsageError(f"{path}: something is already mounted here")
+    entry = mount_entry(real)
+    # A bind mount or container volume is a fine place to mount on; another FUSE mount is not.
+    if entry is not None and entry["fstype"].startswith("fuse"):
+        raise UsageError(f"{path}: already mounted ({entry['source']}); unmount it first")
     if not allow_nonempty:
         try:
             with os.scandir(real) as it:

@@ -370,3 +370,35 @@ def test_cache_bound_holds_while_reading_more_than_the_cache(tmp_path: Path, mnt
         peak_mib = (hwm_kib(pid) - base_kib) / 1024
     # Bound: cache + one in-flight member per serving thread + small constant.
     assert peak_mib < cache_mib + 48, f"daemon grew by {peak_mib:.0f} MiB over its post-mount RSS"
+
+
+@pytest.mark.parametrize("fastpath", ["1", "0"], ids=["c-fast-path", "python-path"])
+def test_c_and_python_paths_serve_the_same(fastpath: str, tmp_path: Path, mnt: Path, monkeypatch) -> None:
+    """The C getattr/read callbacks and the Python ones give identical trees, bytes and errors."""
+    monkeypatch.setenv("CDMLFS_FASTPATH", fastpath)
+    rng = random.Random(21)
+    files = {f"d{i % 3}/f{i}.bin": rng.randbytes(rng.randint(0, 150_000)) for i in range(60)}
+    files.update({f"t/{i}.txt": text_bytes(rng.randint(1, 200_000), i) for i in range(30)})
+    files["victim.txt"] = text_bytes(50_000, 99)
+    archive = python_zip(tmp_path / "both.zip", files, zipfile.ZIP_DEFLATED)
+    with zipfile.ZipFile(tmp_path / "stored.zip", "w", zipfile.ZIP_STORED) as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+    _flip_byte_in_member(archive, "victim.txt")
+    _flip_byte_in_member(tmp_path / "stored.zip", "victim.txt")
+    for arch in (archive, tmp_path / "stored.zip"):
+        log = tmp_path / f"{arch.stem}.log"
+        with mounted(arch, mnt, "-v", log_file=log):
+            for name, data in files.items():
+                if name == "victim.txt":
+                    with pytest.raises(OSError) as e:
+                        (mnt / name).read_bytes()
+                    assert e.value.errno == errno.EIO
+                else:
+                    assert (mnt / name).read_bytes() == data, name
+                    assert os.stat(mnt / name).st_size == len(data)
+            with open(mnt / "t/3.txt", "rb") as f:  # partial reads at odd offsets
+                f.seek(12345)
+                assert f.read(1000) == files["t/3.txt"][12345:13345]
+        active = "C fast path active" in log.read_text()
+        assert active == (fastpath == "1")

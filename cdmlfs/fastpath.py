@@ -1,0 +1,110 @@
+"""Wire the C hot path (``cdmlfs._fastpath``) into a libfuse3 mount.
+
+The C module answers getattr and whole-member reads straight from the index
+columns; everything it does not handle goes to the Python callbacks mfusepy
+built, so behaviour (errors, logging, the cache) stays defined in Python.
+``CDMLFS_FASTPATH=0`` turns it off; it is also off with libfuse2 and when the
+extension is not built. ``cdmlfs doctor`` says which.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+from array import array
+from collections.abc import Iterator
+
+from cdmlfs.archive import Archive
+from cdmlfs.index import DIR
+
+log = logging.getLogger(__name__)
+
+
+def availability(fuse_major: int | None = None) -> tuple[bool, str]:
+    """Whether the C fast path can serve, and why not."""
+    if os.environ.get("CDMLFS_FASTPATH", "1") == "0":
+        return False, "disabled by CDMLFS_FASTPATH=0"
+    try:
+        from cdmlfs import _fastpath  # noqa: F401
+    except ImportError as exc:
+        return False, f"cdmlfs._fastpath not built: {exc}"
+    if fuse_major is not None and fuse_major != 3:
+        return False, f"needs libfuse3 (libfuse{fuse_major} loaded)"
+    return True, "C getattr/read callbacks"
+
+
+def build_table(archive: Archive):
+    """The C table over ``archive``'s index columns (shares the reader's verified-CRC bitmap)."""
+    from cdmlfs._fastpath import FastPath
+
+    ix = archive.index
+    n = ix.entry_count
+    nlink = array("I", bytes(4 * n))
+    fast = bytearray(n)
+    hardlinked = set(ix.hardlink_of) | set(ix.nlink_extra)
+    for eid in ix._lookup.values():
+        if eid in hardlinked:
+            continue
+        fast[eid] = 1
+        if ix.kind[eid] == DIR:
+            nlink[eid] = ix.nlink(eid)
+    reader = archive.reader
+    fd = reader._fd if reader._fd is not None else -1
+    columns = {
+        "kind": ix.kind,
+        "mode": ix.mode,
+        "mtime": ix.mtime,
+        "size": ix.size,
+        "method": ix.method,
+        "flags": ix.flags,
+        "offset": ix.offset,
+        "comp_size": ix.comp_size,
+        "crc": ix.crc,
+        "nlink": nlink,
+        "fast": fast,
+        "verified": reader._verified,
+    }
+    if getattr(archive.format, "name", "") != "zip":
+        fd = -1  # only ZIP members (local headers, CRCs) are read in C; other formats keep C getattr only
+    return FastPath(
+        ix._lookup,
+        columns,
+        fd,
+        archive.source.size,
+        os.getuid(),
+        os.getgid(),
+        reader.whole_limit,
+    )
+
+
+@contextlib.contextmanager
+def installed(mfusepy, table) -> Iterator[None]:
+    """Swap the C callbacks into the fuse_operations that mfusepy hands to libfuse.
+
+    mfusepy builds the struct and calls ``fuse_main_real`` in one go, so this
+    wraps that function for the duration of the mount (the one place we reach
+    into mfusepy). The Python callbacks stay referenced: they are the fallback.
+    """
+    real = mfusepy.fuse_main_real
+    fields = dict(mfusepy.fuse_operations._fields_)
+    keep: list[object] = []
+
+    def fuse_main_with_fast_path(argc, argv, ops_ptr, size, ctx):
+        ops = ops_ptr.contents
+        keep.append(dict(ops._objects or {}))  # the Python thunks must outlive the loop
+        py_getattr = ctypes.cast(ops.getattr, ctypes.c_void_p).value
+        py_read = ctypes.cast(ops.read, ctypes.c_void_p).value
+        if py_getattr and py_read:
+            fast_getattr, fast_read = table.activate(py_getattr, py_read)
+            ops.getattr = fields["getattr"](fast_getattr)
+            ops.read = fields["read"](fast_read)
+            log.debug("C fast path active for getattr and read")
+        return real(argc, argv, ops_ptr, size, ctx)
+
+    mfusepy.fuse_main_real = fuse_main_with_fast_path
+    try:
+        yield
+    finally:
+        mfusepy.fuse_main_real = real

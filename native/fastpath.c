@@ -1,0 +1,461 @@
+/*
+ * cdmlfs._fastpath: the FUSE hot path in C.
+ *
+ * Why: reading one small file through the mount costs the daemon a LOOKUP
+ * (getattr) and a READ. Served by Python through ctypes callbacks, those cost
+ * ~50 us of daemon CPU per file here, most of it entering and leaving the
+ * interpreter. These two C callbacks answer the common cases without the GIL:
+ *
+ *   getattr: path -> entry through a hash table built once over the index's
+ *            path dict, attributes straight from the index columns;
+ *   read:    stored members by pread into libfuse's buffer (the first read of a
+ *            member reads it whole and checks its CRC, then marks it verified
+ *            in the reader's own bitmap); small deflated members read whole by
+ *            pread + libdeflate + CRC straight into libfuse's buffer.
+ *
+ * Everything else (directories listing, partial reads of compressed members,
+ * huge members, tar streams, errors of any kind) goes to the Python callback
+ * that mfusepy created, which this module calls as a plain C function pointer:
+ * ctypes takes the GIL itself. On any doubt the fast path falls back, so the
+ * Python path stays the single source of error handling and logging.
+ *
+ * The columns are the index's own array/bytearray buffers (held as Py_buffer
+ * views, which also stops them from being resized); the path strings are the
+ * dict's keys (their UTF-8 bytes, stable while the dict lives).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <libdeflate.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* Mirrors cdmlfs.index. */
+enum { K_FILE = 0, K_DIR = 1, K_SYMLINK = 2 };
+enum { M_STORED = 0, M_DEFLATE = 8 };
+enum { F_ENCRYPTED = 1, F_NEEDS_LOCAL_HEADER = 2 };
+
+typedef int (*getattr_fn)(const char *, struct stat *, void *);
+typedef int (*read_fn)(const char *, char *, size_t, off_t, void *);
+
+enum { COL_KIND, COL_MODE, COL_MTIME, COL_SIZE, COL_METHOD, COL_FLAGS, COL_OFFSET,
+       COL_COMP, COL_CRC, COL_NLINK, COL_FAST, COL_VERIFIED, NCOLS };
+static const char *col_names[NCOLS] = {"kind", "mode", "mtime", "size", "method", "flags", "offset",
+                                       "comp_size", "crc", "nlink", "fast", "verified"};
+static const Py_ssize_t col_itemsize[NCOLS] = {1, 2, 8, 8, 2, 1, 8, 8, 4, 4, 1, 1};
+static const int col_writable[NCOLS] = {0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1};
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *lookup;            /* dict str -> int, keeps the key strings alive */
+    Py_buffer cols[NCOLS];
+    int ncols_held;
+    Py_ssize_t n;                /* entries */
+    uint64_t *slots;             /* (hash >> 32) << 32 | (eid + 1); 0 = empty */
+    const char **keys;           /* eid -> UTF-8 path (no leading '/'), NULL if not indexed */
+    uint64_t mask;
+    int fd;
+    int64_t file_size;
+    uint32_t uid, gid;
+    int64_t whole_limit;
+    getattr_fn py_getattr;
+    read_fn py_read;
+    atomic_ullong getattr_fast, getattr_slow, read_fast, read_slow, bytes_fast;
+} FastPath;
+
+static FastPath *active; /* the one table the C callbacks serve (one mount per daemon) */
+
+static inline uint64_t
+fnv1a(const char *s)
+{
+    uint64_t h = 1469598103934665603ULL;
+    for (; *s; s++) {
+        h ^= (unsigned char)*s;
+        h *= 1099511628211ULL;
+    }
+    return h;
+}
+
+static Py_ssize_t
+lookup(const FastPath *t, const char *path)
+{
+    if (*path == '/')
+        path++;
+    uint64_t h = fnv1a(path);
+    uint64_t tag = h >> 32;
+    uint64_t i = h & t->mask;
+    for (;;) {
+        uint64_t s = t->slots[i];
+        if (!s)
+            return -1;
+        if ((s >> 32) == tag) {
+            Py_ssize_t eid = (Py_ssize_t)(s & 0xffffffffULL) - 1;
+            if (strcmp(t->keys[eid], path) == 0)
+                return eid;
+        }
+        i = (i + 1) & t->mask;
+    }
+}
+
+#define COL(t, c, type) ((type *)(t)->cols[c].buf)
+
+/* ------------------------------------------------------------ C callbacks */
+
+static int
+fp_getattr(const char *path, struct stat *st, void *fi)
+{
+    FastPath *t = active;
+    Py_ssize_t e = lookup(t, path);
+    if (e < 0 || !COL(t, COL_FAST, uint8_t)[e]) {
+        atomic_fetch_add_explicit(&t->getattr_slow, 1, memory_order_relaxed);
+        return t->py_getattr(path, st, fi);
+    }
+    uint8_t kind = COL(t, COL_KIND, uint8_t)[e];
+    memset(st, 0, sizeof *st);
+    st->st_ino = (ino_t)e + 1;
+    st->st_uid = t->uid;
+    st->st_gid = t->gid;
+    st->st_blksize = 4096;
+    uint16_t mode = COL(t, COL_MODE, uint16_t)[e];
+    if (kind == K_DIR) {
+        st->st_mode = S_IFDIR | mode;
+        st->st_nlink = COL(t, COL_NLINK, uint32_t)[e];
+        st->st_size = 4096;
+        st->st_blocks = 8;
+    } else {
+        uint64_t size = COL(t, COL_SIZE, uint64_t)[e];
+        st->st_mode = (kind == K_SYMLINK ? S_IFLNK : S_IFREG) | mode;
+        st->st_nlink = 1;
+        st->st_size = (off_t)size;
+        st->st_blocks = (blkcnt_t)((size + 511) >> 9);
+    }
+    double m = COL(t, COL_MTIME, double)[e];
+    time_t sec = (time_t)m;
+    long nsec = (long)((m - (double)sec) * 1e9);
+    if (nsec < 0)
+        nsec = 0;
+    st->st_mtim.tv_sec = st->st_ctim.tv_sec = st->st_atim.tv_sec = sec;
+    st->st_mtim.tv_nsec = st->st_ctim.tv_nsec = st->st_atim.tv_nsec = nsec;
+    atomic_fetch_add_explicit(&t->getattr_fast, 1, memory_order_relaxed);
+    return 0;
+}
+
+static int
+pread_full(int fd, char *buf, size_t n, int64_t off)
+{
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = pread(fd, buf + got, n - got, (off_t)(off + (int64_t)got));
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        if (r == 0)
+            return -1;
+        got += (size_t)r;
+    }
+    return 0;
+}
+
+/* ZIP local header -> data offset, as cdmlfs.formats.zip.ZipFormat.data_offset does. */
+static int
+resolve_local_header(FastPath *t, Py_ssize_t e, int64_t *data_at)
+{
+    int64_t *offsets = COL(t, COL_OFFSET, int64_t);
+    uint8_t *flags = COL(t, COL_FLAGS, uint8_t);
+    int64_t at = offsets[e];
+    if (!(flags[e] & F_NEEDS_LOCAL_HEADER)) {
+        *data_at = at;
+        return 0;
+    }
+    unsigned char h[30];
+    if (at < 0 || at + 30 > t->file_size || pread_full(t->fd, (char *)h, 30, at) != 0)
+        return -1;
+    if (!(h[0] == 'P' && h[1] == 'K' && h[2] == 3 && h[3] == 4))
+        return -1;
+    int64_t nlen = h[26] | (h[27] << 8), xlen = h[28] | (h[29] << 8);
+    int64_t d = at + 30 + nlen + xlen;
+    if (d + (int64_t)COL(t, COL_COMP, uint64_t)[e] > t->file_size)
+        return -1;
+    offsets[e] = d;
+    flags[e] &= (uint8_t)~F_NEEDS_LOCAL_HEADER;
+    *data_at = d;
+    return 0;
+}
+
+static pthread_key_t tls_key;
+static pthread_once_t tls_once = PTHREAD_ONCE_INIT;
+
+static void free_decompressor(void *p) { libdeflate_free_decompressor(p); }
+static void make_key(void) { (void)pthread_key_create(&tls_key, free_decompressor); }
+
+static struct libdeflate_decompressor *
+decompressor(void)
+{
+    pthread_once(&tls_once, make_key);
+    struct libdeflate_decompressor *d = pthread_getspecific(tls_key);
+    if (!d) {
+        d = libdeflate_alloc_decompressor();
+        if (d && pthread_setspecific(tls_key, d) != 0) {
+            libdeflate_free_decompressor(d);
+            d = NULL;
+        }
+    }
+    return d;
+}
+
+static int
+fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
+{
+    FastPath *t = active;
+    Py_ssize_t e = lookup(t, path);
+    if (e < 0 || !COL(t, COL_FAST, uint8_t)[e] || COL(t, COL_KIND, uint8_t)[e] != K_FILE ||
+        (COL(t, COL_FLAGS, uint8_t)[e] & F_ENCRYPTED) || t->fd < 0)
+        goto slow;
+    uint64_t total = COL(t, COL_SIZE, uint64_t)[e];
+    if ((uint64_t)off >= total)
+        return 0;
+    uint16_t method = COL(t, COL_METHOD, uint16_t)[e];
+    if (method != M_STORED && method != M_DEFLATE)
+        goto slow;
+    int64_t data_at;
+    if (resolve_local_header(t, e, &data_at) != 0)
+        goto slow;
+    uint8_t *verified = COL(t, COL_VERIFIED, uint8_t);
+    uint32_t crc = COL(t, COL_CRC, uint32_t)[e];
+    if (method == M_STORED) {
+        size_t n = (size_t)((uint64_t)off + size > total ? total - (uint64_t)off : size);
+        if (verified[e]) {
+            if (pread_full(t->fd, buf, n, data_at + off) != 0)
+                goto slow;
+        } else {
+            /* First read of a member: only when it covers the whole member, so the CRC can be checked. */
+            if (off != 0 || size < total || (int64_t)total > t->whole_limit)
+                goto slow;
+            if (pread_full(t->fd, buf, total, data_at) != 0 || libdeflate_crc32(0, buf, total) != crc)
+                goto slow; /* Python re-reads, reports and logs */
+            verified[e] = 1;
+        }
+        atomic_fetch_add_explicit(&t->read_fast, 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&t->bytes_fast, n, memory_order_relaxed);
+        return (int)n;
+    }
+    /* Deflate: whole small members only (the kernel's first read of a small file covers it). */
+    uint64_t comp = COL(t, COL_COMP, uint64_t)[e];
+    if (off != 0 || size < total || (int64_t)total > t->whole_limit || comp > (uint64_t)t->whole_limit + 1024 ||
+        total > comp * 1032 + 1024)
+        goto slow;
+    struct libdeflate_decompressor *d = decompressor();
+    if (!d)
+        goto slow;
+    char stackbuf[16384];
+    char *in = comp <= sizeof stackbuf ? stackbuf : malloc(comp ? comp : 1);
+    if (!in)
+        goto slow;
+    int ok = pread_full(t->fd, in, comp, data_at) == 0 &&
+             libdeflate_deflate_decompress(d, in, comp, buf, total, NULL) == LIBDEFLATE_SUCCESS &&
+             libdeflate_crc32(0, buf, total) == crc;
+    if (in != stackbuf)
+        free(in);
+    if (!ok)
+        goto slow;
+    atomic_fetch_add_explicit(&t->read_fast, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&t->bytes_fast, total, memory_order_relaxed);
+    return (int)total;
+slow:
+    atomic_fetch_add_explicit(&t->read_slow, 1, memory_order_relaxed);
+    return t->py_read(path, buf, size, off, fi);
+}
+
+/* ------------------------------------------------------------ Python type */
+
+static void
+FastPath_dealloc(FastPath *self)
+{
+    if (active == self)
+        active = NULL;
+    for (int i = 0; i < self->ncols_held; i++)
+        PyBuffer_Release(&self->cols[i]);
+    PyMem_RawFree(self->slots);
+    PyMem_RawFree((void *)self->keys);
+    Py_XDECREF(self->lookup);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"lookup", "columns", "fd", "file_size", "uid", "gid", "whole_limit", NULL};
+    PyObject *lookup_dict, *columns;
+    int fd;
+    long long file_size, whole_limit;
+    unsigned int uid, gid;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!iLIIL", kwlist, &PyDict_Type, &lookup_dict, &PyDict_Type,
+                                     &columns, &fd, &file_size, &uid, &gid, &whole_limit))
+        return -1;
+    if (self->lookup) {
+        PyErr_SetString(PyExc_RuntimeError, "FastPath is already initialised");
+        return -1;
+    }
+    Py_ssize_t n = -1;
+    for (int c = 0; c < NCOLS; c++) {
+        PyObject *obj = PyDict_GetItemString(columns, col_names[c]);
+        if (!obj) {
+            PyErr_Format(PyExc_KeyError, "missing column %s", col_names[c]);
+            return -1;
+        }
+        int flags = PyBUF_C_CONTIGUOUS | (col_writable[c] ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(obj, &self->cols[c], flags) != 0)
+            return -1;
+        self->ncols_held = c + 1;
+        Py_ssize_t rows = self->cols[c].len / col_itemsize[c];
+        if (self->cols[c].len % col_itemsize[c] || (n >= 0 && rows != n)) {
+            PyErr_Format(PyExc_ValueError, "column %s has the wrong size", col_names[c]);
+            return -1;
+        }
+        n = rows;
+    }
+    if (n > 0xfffffffeLL) {
+        PyErr_SetString(PyExc_ValueError, "too many entries for the fast path");
+        return -1;
+    }
+    self->n = n;
+    Py_ssize_t count = PyDict_Size(lookup_dict);
+    uint64_t cap = 16;
+    while (cap < (uint64_t)count * 2 + 2)
+        cap <<= 1;
+    self->slots = PyMem_RawCalloc(cap, sizeof(uint64_t));
+    self->keys = PyMem_RawCalloc(n ? n : 1, sizeof(char *));
+    if (!self->slots || !self->keys) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->mask = cap - 1;
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(lookup_dict, &pos, &key, &value)) {
+        long long eid = PyLong_AsLongLong(value);
+        if (eid < 0 || eid >= n) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "entry id out of range");
+            return -1;
+        }
+        const char *utf8 = PyUnicode_AsUTF8AndSize(key, NULL);
+        if (!utf8) { /* surrogate-escaped bytes: left to the Python path */
+            PyErr_Clear();
+            continue;
+        }
+        self->keys[eid] = utf8;
+        uint64_t h = fnv1a(utf8);
+        uint64_t i = h & self->mask;
+        while (self->slots[i])
+            i = (i + 1) & self->mask;
+        self->slots[i] = ((h >> 32) << 32) | (uint64_t)(eid + 1);
+    }
+    Py_INCREF(lookup_dict);
+    self->lookup = lookup_dict;
+    self->fd = fd;
+    self->file_size = file_size;
+    self->uid = uid;
+    self->gid = gid;
+    self->whole_limit = whole_limit;
+    return 0;
+}
+
+static PyObject *
+FastPath_activate(FastPath *self, PyObject *args)
+{
+    unsigned long long g, r;
+    if (!PyArg_ParseTuple(args, "KK", &g, &r))
+        return NULL;
+    if (!self->lookup || !g || !r) {
+        PyErr_SetString(PyExc_ValueError, "initialise the table and pass both fallback callbacks");
+        return NULL;
+    }
+    self->py_getattr = (getattr_fn)(uintptr_t)g;
+    self->py_read = (read_fn)(uintptr_t)r;
+    Py_INCREF(self); /* the C callbacks may run until the process ends */
+    if (active)
+        Py_DECREF(active);
+    active = self;
+    return Py_BuildValue("KK", (unsigned long long)(uintptr_t)fp_getattr, (unsigned long long)(uintptr_t)fp_read);
+}
+
+static PyObject *
+FastPath_lookup(FastPath *self, PyObject *arg)
+{
+    const char *path = PyUnicode_AsUTF8(arg);
+    if (!path || !self->lookup)
+        return NULL;
+    return PyLong_FromSsize_t(lookup(self, path));
+}
+
+static PyObject *
+FastPath_stats(FastPath *self, PyObject *Py_UNUSED(ignored))
+{
+    return Py_BuildValue("{sKsKsKsKsK}", "getattr_fast", (unsigned long long)atomic_load(&self->getattr_fast),
+                         "getattr_fallback", (unsigned long long)atomic_load(&self->getattr_slow), "read_fast",
+                         (unsigned long long)atomic_load(&self->read_fast), "read_fallback",
+                         (unsigned long long)atomic_load(&self->read_slow), "bytes_fast",
+                         (unsigned long long)atomic_load(&self->bytes_fast));
+}
+
+static PyObject *
+FastPath_nbytes(FastPath *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromUnsignedLongLong((self->mask + 1) * sizeof(uint64_t) + (unsigned long long)self->n * sizeof(char *));
+}
+
+static PyMethodDef FastPath_methods[] = {
+    {"activate", (PyCFunction)FastPath_activate, METH_VARARGS,
+     "activate(getattr_fallback, read_fallback) -> (getattr_address, read_address)\n"
+     "Serve from this table; returns the C callbacks to put in fuse_operations."},
+    {"lookup", (PyCFunction)FastPath_lookup, METH_O, "lookup(path) -> entry id or -1 (for tests)"},
+    {"stats", (PyCFunction)FastPath_stats, METH_NOARGS, "Counters of requests served in C and passed on."},
+    {NULL},
+};
+
+static PyGetSetDef FastPath_getset[] = {
+    {"nbytes", (getter)FastPath_nbytes, NULL, "memory held by the hash table", NULL},
+    {NULL},
+};
+
+static PyTypeObject FastPathType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "cdmlfs._fastpath.FastPath",
+    .tp_basicsize = sizeof(FastPath),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "FastPath(lookup, columns, fd, file_size, uid, gid, whole_limit): C getattr/read over an index.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)FastPath_init,
+    .tp_dealloc = (destructor)FastPath_dealloc,
+    .tp_methods = FastPath_methods,
+    .tp_getset = FastPath_getset,
+};
+
+static struct PyModuleDef fastpath_module = {
+    PyModuleDef_HEAD_INIT, "cdmlfs._fastpath", "C getattr/read callbacks for libfuse3's high-level API.", -1, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__fastpath(void)
+{
+    if (PyType_Ready(&FastPathType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&fastpath_module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&FastPathType);
+    if (PyModule_AddObject(m, "FastPath", (PyObject *)&FastPathType) < 0) {
+        Py_DECREF(&FastPathType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
