@@ -52,9 +52,13 @@ class IndexStore:
         self.directory = os.fspath(directory) if directory else default_index_dir()
 
     def path_for(self, identity: SourceIdentity) -> str:
-        """A stable file name: the archive's base name (for humans) plus 64 bits of key hash."""
-        key = identity.key().encode("utf-8", "surrogateescape")
-        digest = (zlib.crc32(key) << 32) | zlib.adler32(key[::-1])
+        """One file per archive location: the base name (for humans) plus 64 bits of a location hash.
+
+        Size and mtime (or ETag) are checked inside the file, so a changed
+        archive's index is overwritten in place instead of piling up.
+        """
+        loc = identity.location.encode("utf-8", "surrogateescape")
+        digest = (zlib.crc32(loc) << 32) | zlib.adler32(loc[::-1])
         base = os.path.basename(identity.location.rstrip("/")) or "archive"
         base = "".join(c if c.isalnum() or c in "._-" else "_" for c in base)[:80]
         return os.path.join(self.directory, f"{base}-{digest:016x}.idx")

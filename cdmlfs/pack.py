@@ -26,7 +26,8 @@ Sources: a directory (walked in name order; hard links detected by inode;
 sockets, devices and FIFOs skipped with a warning) or any archive cdmlfs
 opens (ZIP, tar, tar.zst; members are read in archive order, so a
 single-frame tar.zst is decoded exactly once). ZIP output has no hard links:
-they become copies. Mtimes are stored in whole seconds.
+they become copies. Mtimes are stored in whole seconds; ZIP can only hold
+1980..2107 (exactly: 1901..2038), later or earlier ones are clamped.
 """
 
 from __future__ import annotations
@@ -357,10 +358,13 @@ def write_tar(entries: list[PackEntry], sink: _TarSink, progress: Progress | Non
 
 # -- zip --------------------------------------------------------------------------------------
 def _zip_info(entry: PackEntry, level: int) -> zipfile.ZipInfo:
-    tm = time.localtime(entry.mtime) if 0 <= entry.mtime < 2**33 else time.localtime(0)
-    year = min(max(tm.tm_year, 1980), 2107)  # the DOS date range
+    try:
+        date_time = tuple(time.localtime(entry.mtime)[:6])
+    except (OverflowError, OSError, ValueError):
+        date_time = (1980, 1, 1, 0, 0, 0) if entry.mtime < 0 else (2107, 12, 31, 23, 59, 58)
+    date_time = min(max(date_time, (1980, 1, 1, 0, 0, 0)), (2107, 12, 31, 23, 59, 58))  # DOS range
     name = entry.name + "/" if entry.kind == DIR else entry.name
-    info = zipfile.ZipInfo(name, date_time=(year, tm.tm_mon, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec))
+    info = zipfile.ZipInfo(name, date_time=date_time)  # type: ignore[arg-type]
     info.create_system = 3  # Unix: external attributes carry st_mode
     type_bits = {DIR: statmod.S_IFDIR, SYMLINK: statmod.S_IFLNK}.get(entry.kind, statmod.S_IFREG)
     info.external_attr = ((type_bits | (entry.mode & 0o7777)) << 16) | (0x10 if entry.kind == DIR else 0)

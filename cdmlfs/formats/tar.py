@@ -75,7 +75,6 @@ log = logging.getLogger(__name__)
 EMBEDDED_INDEX_NIBBLE = 0xC  # skippable magic 0x184D2A5C holds a packed archive's member table
 EMBEDDED_INDEX_MAGIC = b"CDMLFS-MEMBERS\x00\x01"
 MAX_META_MEMBER = 16 << 20  # longest pax / GNU long-name payload we accept
-SINGLE_FRAME_WARN = 64 << 20  # frames bigger than this make random reads slow: tell the user
 STORE_KIND_TAR = "tar/1"
 STORE_KIND_TAR_ZST = "tar.zst/1"
 _NO_DATA_TYPES = frozenset((th.LNKTYPE, th.SYMTYPE, th.CHRTYPE, th.BLKTYPE, th.DIRTYPE, th.FIFOTYPE))
@@ -256,8 +255,7 @@ class TarFormat:
             self._mtime = 0.0
         if compressed:
             members, frames = self._open_zstd(progress)
-            self.stream: ZstdStream | RawStream = ZstdStream(source, frames)
-            self._warn_large_frames(frames)
+            self.stream: ZstdStream | RawStream = ZstdStream(source, frames, source.identity.location)
         else:
             members = self._open_tar(progress)
             self.stream = RawStream(source)
@@ -291,7 +289,11 @@ class TarFormat:
 
     # -- tar.zst -------------------------------------------------------------------------
     def _open_zstd(self, progress) -> tuple[MemberTable, FrameTable]:
-        seek_frames = read_seek_table(self.source)
+        try:
+            seek_frames = read_seek_table(self.source)
+        except ArchiveFormatError as exc:
+            log.warning("%s: %s; locating frames by their headers instead", self.source.identity.location, exc)
+            seek_frames = None
         if seek_frames is not None:
             members = self._embedded_members(seek_frames)
             if members is not None:
@@ -373,22 +375,6 @@ class TarFormat:
         frame_bytes = frames.encode()
         payload = struct.pack("<Q", len(frame_bytes)) + frame_bytes + members.encode()
         self.store.save(self.source.identity, STORE_KIND_TAR_ZST, payload)
-
-    def _warn_large_frames(self, frames: FrameTable) -> None:
-        largest = frames.largest()
-        if largest <= SINGLE_FRAME_WARN:
-            return
-        big = sum(1 for s in frames.dec_size if s > SINGLE_FRAME_WARN)
-        where = self.source.identity.location
-        log.warning(
-            "%s: %s of up to %d MiB: reading members in archive order is one pass, but random "
-            "reads decode from the start of a frame and are slow. For fast random access, "
-            "convert it once: cdmlfs pack %s OUTPUT.tar.zst",
-            where,
-            "one zstd frame" if len(frames) == 1 else f"{big} zstd frames",
-            largest >> 20,
-            where,
-        )
 
 
 # -- embedded index (written by cdmlfs pack) ----------------------------------------------

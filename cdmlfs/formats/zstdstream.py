@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import io
+import logging
 import threading
 from array import array
 from collections import OrderedDict
@@ -34,6 +35,8 @@ import zstandard
 from cdmlfs.errors import ArchiveFormatError, CorruptMemberError
 from cdmlfs.sources.base import Source
 from cdmlfs.zstd_seekable import Frame, parse_frame_header
+
+log = logging.getLogger(__name__)
 
 RAW_BLOCK = 256 << 10
 DEFAULT_WHOLE_MAX = 16 << 20
@@ -184,8 +187,9 @@ class _Cursor:
 class ZstdStream:
     """tar.zst: extents are frames (or pieces of frames too large for one decode)."""
 
-    def __init__(self, source: Source, frames: FrameTable) -> None:
+    def __init__(self, source: Source, frames: FrameTable, label: str = "archive") -> None:
         self.source = source
+        self.label = label
         self.frames = frames
         self.total = frames.total
         self.whole_max = DEFAULT_WHOLE_MAX
@@ -197,9 +201,24 @@ class ZstdStream:
         self.restarts = 0  # forward decoders started at a frame's beginning
 
     def bound_extents(self, whole_max: int, piece: int) -> None:
-        """Called by the reader: one decode must fit its cache budget."""
+        """Called once by the reader: one decode must fit its cache budget.
+
+        Frames above ``whole_max`` are served piece by piece from a forward
+        decoder; that is when random reads get slow, so that is when we warn.
+        """
         self.whole_max = max(whole_max, piece)
         self.piece = piece
+        big = [s for s in self.frames.dec_size if s > self.whole_max]
+        if big:
+            log.warning(
+                "%s: %s of up to %d MiB: reading members in archive order is one pass, but a random "
+                "read decodes from the start of its frame. For fast random access convert it once: "
+                "cdmlfs pack %s OUTPUT.tar.zst",
+                self.label,
+                "a single zstd frame" if len(self.frames) == 1 else f"{len(big)} zstd frames",
+                max(big) >> 20,
+                self.label,
+            )
 
     # -- extents ---------------------------------------------------------------
     def extents(self, offset: int, size: int) -> list[tuple[Hashable, int, int]]:

@@ -1,0 +1,111 @@
+"""``cdmlfs pack``: seekable tar.zst, plain tar and ZIP output from directories and archives."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+from mountutil import mounted, run_cli, tree, unzip
+from test_tar_support import cdmlfs_pack, extract, gnu_tar, tricky_tree
+
+from cdmlfs.archive import Archive
+from cdmlfs.sources.local import LocalFile
+from cdmlfs.zstd_seekable import parse_frame_header, read_seek_table
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tricky_tree(tmp_path_factory.mktemp("pack") / "src")
+    (root / "photo.jpg").write_bytes(os.urandom(5000))
+    (root / "notes.md").write_bytes(b"# notes\n" * 500)
+    return root
+
+
+def _same_tree(got: dict, expected: dict, zip_dates: bool = False) -> None:
+    assert sorted(got) == sorted(expected)
+    for path, exp in expected.items():
+        assert got[path][:4] == exp[:4], path
+        if exp[0] == "file":
+            if zip_dates and path == "future.txt":  # ZIP dates end in 2107: clamped
+                assert got[path][4] < exp[4]
+                continue
+            assert got[path][4] == exp[4], path
+
+
+def test_frames_are_bounded_cut_at_members_and_carry_size_and_checksum(src: Path, tmp_path: Path) -> None:
+    out = cdmlfs_pack(src, tmp_path / "o.tar.zst", "--frame-size", "64K", "--level", "1")
+    source = LocalFile(str(out))
+    frames = read_seek_table(source)
+    assert frames is not None
+    data_frames = [f for f in frames if f.content_size]
+    assert len(data_frames) >= 3_000_000 // (64 << 10)  # the 3 MB member is split
+    for f in data_frames:
+        assert f.content_size <= 64 << 10
+        header = parse_frame_header(source.read_at(f.offset, 18))
+        assert header.content_size == f.content_size
+        assert header.has_checksum
+    with Archive(str(out), index_dir=str(tmp_path / "idx")) as ar:
+        fr = ar.format.stream.frames
+        starts = set(fr.dec_offset)
+        for name in ar.files():
+            eid = ar.index.lookup(name)
+            size, off = ar.index.size[eid], ar.index.offset[eid]
+            if 0 < size + 1024 <= 64 << 10:
+                first = max(s for s in starts if s <= off)
+                assert off + size <= first + fr.dec_size[sorted(starts).index(first)], name  # one frame
+
+
+def test_threads_do_not_change_the_output(src: Path, tmp_path: Path) -> None:
+    one = cdmlfs_pack(src, tmp_path / "one.tar.zst", "--frame-size", "128K", "--threads", "1")
+    two = cdmlfs_pack(src, tmp_path / "two.tar.zst", "--frame-size", "128K", "--threads", "2")
+    assert one.read_bytes() == two.read_bytes()
+
+
+def test_zip_output_equals_source_with_stored_media(src: Path, tmp_path: Path) -> None:
+    out = cdmlfs_pack(src, tmp_path / "o.zip")
+    with zipfile.ZipFile(out) as zf:
+        kinds = {i.filename: i.compress_type for i in zf.infolist()}
+    assert kinds["photo.jpg"] == zipfile.ZIP_STORED
+    assert kinds["notes.md"] == zipfile.ZIP_DEFLATED
+    assert kinds["big/large.bin"] == zipfile.ZIP_DEFLATED
+    got = tree(unzip(out, tmp_path / "unzipped"))
+    _same_tree(got, tree(src), zip_dates=True)  # hard links come back as copies: same bytes
+
+
+@pytest.mark.fuse
+def test_pack_from_archives_round_trips(src: Path, tmp_path: Path, mnt: Path) -> None:
+    expected = tree(src)
+    single = gnu_tar(tmp_path / "single.tar.zst", src, "pax", ["zstd", "-q", "-c"])
+    packed = cdmlfs_pack(single, tmp_path / "from-tar.tar.zst", "--frame-size", "256K")
+    as_zip = cdmlfs_pack(packed, tmp_path / "from-packed.zip")
+    back = cdmlfs_pack(as_zip, tmp_path / "from-zip.tar.zst")
+    _same_tree(tree(extract(packed, tmp_path / "x1")), expected)
+    _same_tree(tree(unzip(as_zip, tmp_path / "x2")), expected, zip_dates=True)
+    with mounted(back, mnt, "--index-dir", str(tmp_path / "idx")):
+        got = tree(mnt)
+        assert os.stat(mnt / "hardlink_a").st_nlink == 1  # ZIP has no hard links: copies
+    _same_tree(got, expected, zip_dates=True)
+    with Archive(str(packed), index_dir=str(tmp_path / "idx")) as ar:  # tar -> tar keeps hard links
+        assert ar.stat("hardlink_a").nlink == 3
+
+
+def test_refuses_to_overwrite_without_force(src: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o.tar.zst"
+    out.write_bytes(b"precious")
+    res = run_cli("pack", str(src), str(out))
+    assert res.returncode == 2
+    assert b"--force" in res.stderr
+    assert out.read_bytes() == b"precious"
+    res = run_cli("pack", "-q", str(src), str(out), "--force")
+    assert res.returncode == 0, res.stderr
+    assert out.read_bytes() != b"precious"
+    assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
+
+
+@pytest.mark.parametrize("bad", ["o.rar", "o.tar.gz"])
+def test_unknown_output_format_is_a_usage_error(src: Path, tmp_path: Path, bad: str) -> None:
+    res = run_cli("pack", str(src), str(tmp_path / bad))
+    assert res.returncode == 2
+    assert b".tar.zst" in res.stderr

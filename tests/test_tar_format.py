@@ -1,0 +1,365 @@
+"""tar / tar.zst through the Python API: index persistence, frame handling, edge-case headers."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import struct
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+import zstandard
+from test_tar_support import cdmlfs_pack, gnu_tar
+
+from cdmlfs.archive import Archive
+from cdmlfs.errors import ArchiveFormatError, CorruptMemberError
+from cdmlfs.formats.tar import scan_tar
+from cdmlfs.formats.tarheader import build_header, parse_header, parse_pax, pax_record
+from cdmlfs.formats.tarmembers import MemberTable
+from cdmlfs.formats.zstdstream import ZstdScanView
+from cdmlfs.index_store import IndexStore, default_index_dir
+from cdmlfs.sources.local import LocalFile
+from cdmlfs.zstd_seekable import (
+    SEEK_TABLE_MAGIC,
+    SEEKABLE_FOOTER_MAGIC,
+    read_seek_table,
+    skippable_frame,
+    walk_frames,
+)
+
+
+class CountingSource:
+    """A local file that counts the bytes read through it (proves what an open costs)."""
+
+    prefers_threads = False
+
+    def __init__(self, path: Path) -> None:
+        self._inner = LocalFile(str(path))
+        self.size = self._inner.size
+        self.identity = self._inner.identity
+        self.bytes_read = 0
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        self.bytes_read += length
+        return self._inner.read_at(offset, length)
+
+    def fileno(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+@pytest.fixture
+def many_files(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(200):
+        (src / f"d{i % 7}").mkdir(exist_ok=True)
+        (src / f"d{i % 7}" / f"f{i:03d}.bin").write_bytes(os.urandom(2000) + bytes(8000))
+    return src
+
+
+def _single_frame(tmp_path: Path, src: Path) -> Path:
+    return gnu_tar(tmp_path / "single.tar.zst", src, "gnu", ["zstd", "-q", "-c"])
+
+
+# -- persisted index ------------------------------------------------------------------------
+def test_index_is_persisted_and_a_second_open_does_not_rescan(tmp_path: Path, many_files: Path) -> None:
+    archive = _single_frame(tmp_path, many_files)
+    idx = tmp_path / "idx"
+    first = CountingSource(archive)
+    with Archive(first, index_dir=str(idx)) as ar:
+        assert ar.format.index_source == "scan"
+        names = ar.files()
+    assert first.bytes_read >= archive.stat().st_size  # the scan decoded everything once
+    assert len(list(idx.iterdir())) == 1
+    second = CountingSource(archive)
+    with Archive(second, index_dir=str(idx)) as ar:
+        assert ar.format.index_source == "cache"
+        # Opening read only what format sniffing reads (4 KiB head, 64 KiB tail): no rescan.
+        assert second.bytes_read <= 4096 + 65577 + 64
+        assert ar.files() == names
+        assert ar.read(names[5]) == (many_files / names[5]).read_bytes()
+
+
+def test_stale_and_corrupt_index_files_are_rebuilt(tmp_path: Path, many_files: Path) -> None:
+    archive = _single_frame(tmp_path, many_files)
+    idx = tmp_path / "idx"
+    with Archive(str(archive), index_dir=str(idx)) as ar:
+        assert ar.format.index_source == "scan"
+    (index_file,) = idx.iterdir()
+    good = index_file.read_bytes()
+    # Corrupt in several ways: each is detected, rebuilt, and the rebuilt file is valid again.
+    for damage in (
+        lambda b: b[: len(b) // 2],
+        lambda b: b[:40] + bytes([b[40] ^ 1]) + b[41:],
+        lambda b: b"garbage",
+        lambda b: b[:8] + struct.pack("<H", 99) + b[10:],
+    ):
+        index_file.write_bytes(damage(good))
+        with Archive(str(archive), index_dir=str(idx)) as ar:
+            assert ar.format.index_source == "scan"
+            assert len(ar.files()) == 200
+        assert index_file.read_bytes() == good
+    # Stale: the archive changed (same path, new mtime) -> rescanned, file replaced in place.
+    st = archive.stat()
+    os.utime(archive, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    with Archive(str(archive), index_dir=str(idx)) as ar:
+        assert ar.format.index_source == "scan"
+    assert [p.name for p in idx.iterdir()] == [index_file.name]
+    with Archive(str(archive), index_dir=str(idx)) as ar:
+        assert ar.format.index_source == "cache"
+
+
+def test_index_dir_default_respects_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_index_dir() == str(tmp_path / "xdg" / "cdmlfs" / "index")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_index_dir() == os.path.join(os.path.expanduser("~"), ".cache", "cdmlfs", "index")
+
+
+def test_unwritable_index_dir_still_opens(tmp_path: Path, many_files: Path) -> None:
+    archive = gnu_tar(tmp_path / "a.tar", many_files, "pax")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with Archive(str(archive), index_dir=str(blocker / "idx")) as ar:
+        assert len(ar.files()) == 200
+    assert IndexStore(str(blocker / "idx")).load(ar.source.identity, "tar/1") is None
+
+
+# -- frames ---------------------------------------------------------------------------------
+def test_packed_archive_needs_no_decoding_to_open_and_one_frame_per_member(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(300):
+        (src / f"f{i:03d}.txt").write_bytes((b"%d " % i) * (i * 37 % 5000))
+    archive = cdmlfs_pack(src, tmp_path / "p.tar.zst", "--frame-size", "64K")
+    counting = CountingSource(archive)
+    with Archive(counting, index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.format.index_source == "embedded"
+        assert not (tmp_path / "idx").exists()  # nothing to persist
+        opened = counting.bytes_read
+        assert opened < 30_000
+        stream = ar.format.stream
+        assert len(stream.frames) > 10
+        for name in ("f123.txt", "f007.txt", "f299.txt"):
+            before = stream.frame_decodes
+            assert ar.read(name) == (src / name).read_bytes()
+            assert stream.frame_decodes - before == 1  # a small member never spans frames
+
+
+def test_embedded_index_equals_a_fresh_scan(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / ("x" * 120)).write_bytes(b"1" * 100_000)
+    (src / "ü.txt").write_bytes(b"2")
+    os.symlink("sub", src / "l")
+    os.link(src / "ü.txt", src / "hard")
+    archive = cdmlfs_pack(src, tmp_path / "p.tar.zst", "--frame-size", "16K")
+    source = LocalFile(str(archive))
+    frames = read_seek_table(source)
+    assert frames is not None
+    with Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.format.index_source == "embedded"
+    from cdmlfs.formats.tar import TarFormat
+
+    embedded = TarFormat(source, compressed=True)._embedded_members(frames)
+    scanned = MemberTable()
+    view = ZstdScanView(source, frames)
+    view.finish(scan_tar(view, scanned))
+    scanned.stream_size = view.frame_table().total
+    assert embedded is not None
+    assert embedded.encode() == scanned.encode()
+
+
+def test_single_frame_warns_once_and_archive_order_is_one_pass(
+    tmp_path: Path, many_files: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    archive = _single_frame(tmp_path, many_files)
+    with (
+        caplog.at_level(logging.WARNING),
+        Archive(str(archive), cache_size=1 << 20, index_dir=str(tmp_path)) as ar,
+    ):
+        warnings = [r for r in caplog.records if "cdmlfs pack" in r.getMessage()]
+        assert len(warnings) == 1
+        assert "single zstd frame" in warnings[0].getMessage()
+        stream = ar.format.stream
+        order = ar.archive_order()
+        assert sorted(order) == sorted(ar.files())
+        for name in order:
+            assert ar.read(name) == (many_files / name).read_bytes()
+        assert stream.restarts == 1  # one forward pass for the whole archive
+        for name in reversed(order[:20]):  # evicted long ago
+            assert ar.read(name) == (many_files / name).read_bytes()
+        assert stream.restarts > 1  # backward reads restart from the frame's start
+    assert ar.cache.held <= 1 << 20
+
+
+def test_frames_without_content_size_and_seek_tables_with_checksums(tmp_path: Path, many_files: Path) -> None:
+    """A hand-made seekable file: frames without content size, a skippable frame, a checksummed table."""
+    plain = gnu_tar(tmp_path / "a.tar", many_files, "pax").read_bytes()
+    cctx = zstandard.ZstdCompressor(level=1, write_content_size=False, write_checksum=True)
+    pieces, entries = [], []
+    for start in range(0, len(plain), 300_000):
+        chunk = plain[start : start + 300_000]
+        comp = cctx.compress(chunk)
+        pieces.append(comp)
+        entries.append((len(comp), len(chunk)))
+        if start == 0:
+            skip = skippable_frame(b"hello", 3)
+            pieces.append(skip)
+            entries.append((len(skip), 0))
+    body = b"".join(struct.pack("<III", c, d, 0xDEADBEEF) for c, d in entries)
+    body += struct.pack("<IBI", len(entries), 0x80, SEEKABLE_FOOTER_MAGIC)
+    archive = tmp_path / "seekable.tar.zst"
+    archive.write_bytes(b"".join(pieces) + struct.pack("<II", SEEK_TABLE_MAGIC, len(body)) + body)
+    source = LocalFile(str(archive))
+    table = read_seek_table(source)
+    walked = walk_frames(source)
+    assert [(f.offset, f.comp_size, f.skippable) for f in walked] == [
+        (f.offset, f.comp_size, f.content_size == 0) for f in table
+    ] + [(walked[-1].offset, walked[-1].comp_size, True)]
+    assert all(f.content_size is None for f in walked if not f.skippable)
+    with Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.format.index_source == "scan"
+        for name in ar.files()[::17]:
+            assert ar.read(name) == (many_files / name).read_bytes()
+
+
+def test_corrupt_frame_during_the_scan_refuses_the_archive(tmp_path: Path, many_files: Path) -> None:
+    archive = gnu_tar(tmp_path / "p.tar.zst", many_files, "pax", ["pzstd", "-q", "-c", "-1", "-p", "2"])
+    data = bytearray(archive.read_bytes())
+    mid = len(data) // 3
+    data[mid : mid + 8] = bytes(b ^ 0xFF for b in data[mid : mid + 8])
+    archive.write_bytes(bytes(data))
+    with pytest.raises(ArchiveFormatError):
+        Archive(str(archive), index_dir=str(tmp_path / "idx"))
+
+
+def test_progress_is_reported_for_the_scan(tmp_path: Path, many_files: Path) -> None:
+    archive = _single_frame(tmp_path, many_files)
+    calls: list[tuple[int, int]] = []
+    with Archive(str(archive), index_dir=str(tmp_path / "idx"), progress=lambda d, t: calls.append((d, t))):
+        pass
+    assert calls and calls[-1][0] == calls[-1][1] == archive.stat().st_size
+
+
+# -- headers ---------------------------------------------------------------------------------
+def _tarfile_archive(path: Path, fmt: int, build) -> Path:
+    with tarfile.open(path, "w", format=fmt) as tf:
+        build(tf)
+    return path
+
+
+def _add(tf: tarfile.TarFile, name: str, data: bytes = b"", **attrs) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mtime = 1_600_000_000
+    for key, value in attrs.items():
+        setattr(info, key, value)
+    tf.addfile(info, io.BytesIO(data) if data else None)
+
+
+def test_devices_fifos_unknown_types_duplicates_and_v7_directories(tmp_path: Path) -> None:
+    def build(tf: tarfile.TarFile) -> None:
+        _add(tf, "dev/null", type=tarfile.CHRTYPE, devmajor=1, devminor=3)
+        _add(tf, "dev/sda", type=tarfile.BLKTYPE)
+        _add(tf, "pipe", type=tarfile.FIFOTYPE)
+        _add(tf, "dup.txt", b"first")
+        _add(tf, "dup.txt", b"second, longer")
+        _add(tf, "clash", b"a file first")
+        _add(tf, "clash/inner.txt", b"inner")
+        _add(tf, "vendor.bin", b"vendor data", type=b"Q")
+        _add(tf, "olddir/", type=tarfile.AREGTYPE)
+        _add(tf, "hl_missing", type=tarfile.LNKTYPE, linkname="nowhere")
+        _add(tf, "hl", type=tarfile.LNKTYPE, linkname="dup.txt")
+
+    archive = _tarfile_archive(tmp_path / "edge.tar", tarfile.GNU_FORMAT, build)
+    with Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
+        assert not ar.exists("dev/null") and not ar.exists("dev/sda") and not ar.exists("pipe")
+        assert ar.read("dup.txt") == b"second, longer"  # the last duplicate wins
+        assert ar.isdir("clash") and ar.read("clash/inner.txt") == b"inner"  # a directory wins
+        assert ar.read("vendor.bin") == b"vendor data"  # unknown type: a regular file (POSIX)
+        assert ar.isdir("olddir")
+        assert not ar.exists("hl_missing")
+        assert ar.read("hl") == b"second, longer"
+        assert ar.stat("hl").ino == ar.stat("dup.txt").ino
+
+
+def test_pax_global_and_local_headers(tmp_path: Path) -> None:
+    def build(tf: tarfile.TarFile) -> None:
+        _add(tf, "a.txt", b"aaa")
+        info = tarfile.TarInfo("b" * 150 + "/ß.txt")
+        info.size = 3
+        info.mtime = 1_234_567_890.5
+        info.uid = 3_000_000_000  # too big for ustar: a pax uid record
+        info.pax_headers = {"comment": "x"}
+        tf.addfile(info, io.BytesIO(b"bbb"))
+        info = tarfile.TarInfo("sym")
+        info.type = tarfile.SYMTYPE
+        info.linkname = "ü" * 80 + "/target"
+        tf.addfile(info)
+
+    archive = _tarfile_archive(tmp_path / "pax.tar", tarfile.PAX_FORMAT, build)
+    # Prepend a global header (mtime for all members) like `tar --pax-option` would.
+    records = pax_record("mtime", b"1000000000") + pax_record("path", b"ignored-global-path")
+    glob = build_header("pax_global_header", b"g", len(records), 0o644, 0)
+    blob = glob + records + bytes(-len(records) % 512) + archive.read_bytes()
+    (tmp_path / "g.tar").write_bytes(blob)
+    with Archive(str(tmp_path / "g.tar"), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.read("a.txt") == b"aaa"
+        assert ar.stat("a.txt").mtime == 1_000_000_000  # from the global header
+        long_name = "b" * 150 + "/ß.txt"
+        assert ar.read(long_name) == b"bbb"
+        assert ar.stat(long_name).mtime == 1_234_567_890.5  # local pax beats global
+        assert ar.readlink("sym") == "ü" * 80 + "/target"
+        assert not ar.exists("ignored-global-path")
+
+
+def test_truncated_tar_lists_what_came_before(tmp_path: Path) -> None:
+    def build(tf: tarfile.TarFile) -> None:
+        _add(tf, "whole.txt", b"w" * 1000)
+        _add(tf, "cut.bin", b"c" * 100_000)
+        _add(tf, "lost.txt", b"l" * 10)
+
+    archive = _tarfile_archive(tmp_path / "t.tar", tarfile.USTAR_FORMAT, build)
+    data = archive.read_bytes()
+    cut = data.index(b"c" * 512) + 50_000
+    (tmp_path / "cut.tar").write_bytes(data[:cut])
+    with Archive(str(tmp_path / "cut.tar"), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.read("whole.txt") == b"w" * 1000
+        assert ar.files() == ["cut.bin", "whole.txt"]
+        with pytest.raises(CorruptMemberError):
+            ar.read("cut.bin")
+
+
+def test_header_codec_round_trip_and_base256() -> None:
+    block = build_header("x" * 99, b"0", 8**11 + 5, 0o644, 2**40, 5, 6)  # pax size and mtime
+    pax = parse_pax(block[512 : 512 + parse_header(block[:512]).size])
+    assert int(pax["size"]) == 8**11 + 5 and int(pax["mtime"]) == 2**40
+    gnu = bytearray(build_header("f", b"0", 10)[:512])
+    gnu[124:136] = b"\x80" + (2**40).to_bytes(11, "big")  # GNU base-256 size
+    gnu[148:156] = b" " * 8
+    gnu[148:156] = b"%06o\0 " % sum(gnu)
+    assert parse_header(bytes(gnu)).size == 2**40
+
+
+def test_plain_tar_scan_is_fast_enough_for_many_members(tmp_path: Path) -> None:
+    """20k members index in well under the time a user notices (no timing assert: just sanity)."""
+
+    def build(tf: tarfile.TarFile) -> None:
+        for i in range(20_000):
+            _add(tf, f"d{i % 50}/f{i}.txt", b"x")
+
+    archive = _tarfile_archive(tmp_path / "many.tar", tarfile.GNU_FORMAT, build)
+    started = time.monotonic()
+    with Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
+        assert len(ar.files()) == 20_000
+    with Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.format.index_source == "cache"
+        assert ar.read("d7/f19957.txt") == b"x"
+    logging.getLogger(__name__).info("20k members: %.2fs", time.monotonic() - started)

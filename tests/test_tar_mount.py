@@ -1,0 +1,175 @@
+"""Real FUSE mounts of tar / tar.zst archives made by GNU tar, zstd, pzstd and cdmlfs pack,
+compared with what ``tar -x`` extracts."""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+from pathlib import Path
+
+import pytest
+from mountutil import daemon_pid, is_mounted, mounted, run_cli, tree
+from test_tar_support import LONG_TARGET, cdmlfs_pack, extract, gnu_tar, tricky_tree
+
+from cdmlfs.archive import Archive
+from cdmlfs.zstd_seekable import read_seek_table
+
+pytestmark = pytest.mark.fuse
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tricky_tree(tmp_path_factory.mktemp("tar") / "src")
+
+
+def _build(kind: str, src: Path, out_dir: Path) -> Path:
+    if kind == "gnu-zstd-single-frame":
+        return gnu_tar(out_dir / "gnu.tar.zst", src, "gnu", ["zstd", "-q", "-c"])
+    if kind == "pax-pzstd-multi-frame":
+        return gnu_tar(out_dir / "pax.tar.zst", src, "pax", ["pzstd", "-q", "-c", "-1", "-p", "2"])
+    if kind == "pax-plain-tar":
+        return gnu_tar(out_dir / "plain.tar", src, "pax")
+    if kind == "gnu-plain-tar":
+        return gnu_tar(out_dir / "plain-gnu.tar", src, "gnu")
+    if kind == "zstd-T0-with-content-size":
+        plain = gnu_tar(out_dir / "for-zstd.tar", src, "pax")
+        out = out_dir / "t0.tar.zst"
+        os.system(f"zstd -q -T0 -f {plain} -o {out}")
+        return out
+    assert kind == "cdmlfs-pack"
+    return cdmlfs_pack(src, out_dir / "packed.tar.zst", "--frame-size", "1M")
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "gnu-zstd-single-frame",
+        "pax-pzstd-multi-frame",
+        "pax-plain-tar",
+        "gnu-plain-tar",
+        "zstd-T0-with-content-size",
+        "cdmlfs-pack",
+    ],
+)
+def test_mount_equals_tar_extraction(kind: str, src: Path, tmp_path: Path, mnt: Path) -> None:
+    archive = _build(kind, src, tmp_path)
+    expected = tree(extract(archive, tmp_path / "extracted"))
+    with mounted(archive, mnt, "--index-dir", str(tmp_path / "idx")):
+        got = tree(mnt)
+        # Hard links: one inode, st_nlink counts every name.
+        a, b, c = (os.stat(mnt / p) for p in ("hardlink_a", "data/hardlink_b", "many/f001.txt"))
+        assert a.st_ino == b.st_ino == c.st_ino
+        assert a.st_nlink == 3
+        assert os.readlink(mnt / "long_target_link") == LONG_TARGET
+        assert (mnt / "link_to_random").read_bytes() == (src / "data/random.bin").read_bytes()
+    assert sorted(got) == sorted(expected)
+    for path, exp in expected.items():
+        assert got[path][0] == exp[0], path
+        assert got[path] == exp, path
+
+
+def test_packed_archive_round_trips_through_gnu_tar_and_zstd(src: Path, tmp_path: Path) -> None:
+    packed = cdmlfs_pack(src, tmp_path / "p.tar.zst", "--frame-size", "256K")
+    plain = cdmlfs_pack(src, tmp_path / "p.tar")
+    # zstd -d skips the member-index frame and the seek table: the same tar stream comes out.
+    out = os.popen(f"zstd -dc {packed} | cmp - {plain} && echo same").read()
+    assert out.strip() == "same"
+    got = tree(extract(packed, tmp_path / "x"), dir_mtime=True)
+    expected = tree(src, dir_mtime=False)
+    assert sorted(got) == sorted(expected)
+    for path, exp in expected.items():
+        assert got[path][:4] == exp[:4], path
+        if exp[0] == "file":
+            assert got[path][4] == exp[4], path  # whole-second mtimes, big one included
+    # Every data frame records its content size; the seek table lists the index frame too.
+    with Archive(str(packed), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.format.index_source == "embedded"
+        frames = read_seek_table(ar.source)
+        assert frames is not None and frames[-1].content_size == 0
+        assert all(f <= 256 << 10 for f in ar.format.stream.frames.dec_size)
+
+
+def _frame_of(archive: Path, member: str, idx: Path) -> tuple[int, int, int]:
+    """(compressed offset, compressed size, frame number) of the frame holding ``member``'s first byte."""
+    with Archive(str(archive), index_dir=str(idx)) as ar:
+        fr = ar.format.stream.frames
+        off = ar.index.offset[ar.index.lookup(member)]
+        i = max(j for j in range(len(fr)) if fr.dec_offset[j] <= off)
+        return fr.comp_offset[i], fr.comp_size[i], i
+
+
+def test_corrupt_frame_gives_eio_on_affected_files_only(tmp_path: Path, mnt: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(60):
+        (src / f"f{i:02d}.bin").write_bytes(os.urandom(20_000) + bytes(20_000))
+    archive = cdmlfs_pack(src, tmp_path / "c.tar.zst", "--frame-size", "128K")
+    idx = tmp_path / "idx"
+    comp_off, comp_size, frame = _frame_of(archive, "f30.bin", idx)
+    with Archive(str(archive), index_dir=str(idx)) as ar:
+        fr = ar.format.stream.frames
+        lo, hi = fr.dec_offset[frame], fr.dec_offset[frame] + fr.dec_size[frame]
+        affected = {
+            p
+            for p in ar.files()
+            if ar.index.offset[ar.index.lookup(p)] < hi
+            and ar.index.offset[ar.index.lookup(p)] + ar.index.size[ar.index.lookup(p)] > lo
+        }
+    assert "f30.bin" in affected and len(affected) < 10
+    with open(archive, "r+b") as f:  # flip bytes inside the frame's compressed blocks
+        f.seek(comp_off + comp_size // 2)
+        chunk = bytearray(f.read(16))
+        f.seek(comp_off + comp_size // 2)
+        f.write(bytes(b ^ 0x5A for b in chunk))
+    with mounted(archive, mnt, "--index-dir", str(idx)):
+        pid = daemon_pid(mnt)
+        for i in range(60):
+            name = f"f{i:02d}.bin"
+            if name in affected:
+                with pytest.raises(OSError) as exc:
+                    (mnt / name).read_bytes()
+                assert exc.value.errno == errno.EIO
+            else:
+                assert (mnt / name).read_bytes() == (src / name).read_bytes()
+        assert is_mounted(mnt)
+        assert pid is not None
+        os.kill(pid, 0)  # the daemon is alive
+
+
+def test_single_frame_archive_larger_than_the_cache_budget(tmp_path: Path, mnt: Path) -> None:
+    """One 6 MB frame under a 16M cache (4 MiB per decode): served in pieces, forward and backward."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(20):
+        (src / f"f{i:02d}.bin").write_bytes(os.urandom(300_000))
+    archive = gnu_tar(tmp_path / "one.tar.zst", src, "gnu", ["zstd", "-q", "-c"])
+    with mounted(archive, mnt, "--cache-size", "16M", "--index-dir", str(tmp_path / "idx")):
+        for order in (range(20), reversed(range(20))):
+            for i in order:
+                assert (mnt / f"f{i:02d}.bin").read_bytes() == (src / f"f{i:02d}.bin").read_bytes()
+
+
+def test_mount_refuses_non_tar_zstd(tmp_path: Path, mnt: Path) -> None:
+    blob = tmp_path / "notatar.zst"
+    os.system(f"head -c 100000 /dev/urandom | zstd -q -c > {blob}")
+    res = run_cli("mount", str(blob), str(mnt), "--index-dir", str(tmp_path / "idx"))
+    assert res.returncode == 1
+    assert b"not a tar" in res.stderr
+    assert not is_mounted(mnt)
+
+
+def test_inconsistent_seek_table_is_not_trusted(tmp_path: Path) -> None:
+    """A seekable footer whose table does not add up is ignored: frames are found by their headers."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_bytes(b"a" * 1000)
+    archive = cdmlfs_pack(src, tmp_path / "a.tar.zst")
+    data = bytearray(archive.read_bytes())
+    (n,) = struct.unpack_from("<I", data, len(data) - 9)
+    struct.pack_into("<I", data, len(data) - 9, n + 5)
+    archive.write_bytes(bytes(data))
+    res = run_cli("cat", str(archive), "a.txt", "--index-dir", str(tmp_path / "idx"))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == b"a" * 1000
+    assert b"seek table" in res.stderr
