@@ -61,7 +61,7 @@ def _setup_logging(verbose: bool) -> None:
 
 def _source_options(args: argparse.Namespace) -> dict:
     opts = {}
-    for key in ("endpoint_url", "region", "no_sign_request", "profile", "index_dir"):
+    for key in ("endpoint_url", "region", "no_sign_request", "profile", "addressing_style", "index_dir"):
         value = getattr(args, key, None)
         if value not in (None, False):
             opts[key] = value
@@ -233,25 +233,80 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from cdmlfs import inflate
+    """Report the active accelerators and FUSE setup (a diagnosis never crashes on a broken setup)."""
+    import shutil
+
+    from cdmlfs import fastpath, inflate
 
     name, detail = inflate.backend()
     print(f"cdmlfs {__version__}")
     print(f"inflate backend: {name} ({detail})")
+    fuse_major = None
     try:
         from cdmlfs.fuse_ops import load_mfusepy
 
         mfusepy = load_mfusepy()
-        version = f"{mfusepy.fuse_version_major}.{mfusepy.fuse_version_minor}"
-        print(f"libfuse: {mfusepy._libfuse_path} (version {version})")
-    except Exception as exc:  # report, do not crash: this command diagnoses broken setups
+        fuse_major = mfusepy.fuse_version_major
+        print(f"libfuse: {mfusepy._libfuse_path} (version {fuse_major}.{mfusepy.fuse_version_minor})")
+    except Exception as exc:
         print(f"libfuse: unavailable ({exc})")
+    fast, why = fastpath.availability(fuse_major)
+    print(f"FUSE hot path: {'C' if fast else 'Python'} ({why})")
     print(f"/dev/fuse: {'present' if os.path.exists('/dev/fuse') else 'missing'}")
-    import shutil
-
     for tool in ("fusermount3", "fusermount"):
         print(f"{tool}: {shutil.which(tool) or 'not found'}")
     return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    """Live counters of a mount, read from an extended attribute of its root."""
+    import json
+
+    from cdmlfs.fuse_ops import STATS_XATTR
+    from cdmlfs.mountpoints import mount_entry
+
+    entry = mount_entry(args.mountpoint)
+    if entry is None or entry["fstype"] != "fuse.cdmlfs":
+        raise UsageError(f"{args.mountpoint}: not a cdmlfs mount")
+    try:
+        blob = os.getxattr(args.mountpoint, STATS_XATTR)
+    except OSError as exc:
+        raise CdmlfsError(f"{args.mountpoint}: cannot read stats: {exc.strerror}") from None
+    stats = json.loads(blob)
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    print(_format_stats(stats))
+    return 0
+
+
+def _mib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**20:,.1f} MiB"
+
+
+def _format_stats(s: dict) -> str:
+    c = s["cache"]
+    hit = "n/a" if c["hit_rate"] is None else f"{100 * c['hit_rate']:.1f}%"
+    lines = [
+        f"archive   {s['archive']} ({s['format']}, {s['entries']:,} entries)",
+        f"daemon    pid {s['pid']}, up {s['uptime_s']:.0f}s, {s['serving']}, RSS {_mib(s['rss_bytes'])}, "
+        f"index {_mib(s['index_bytes'])}",
+        f"cache     {_mib(c['held'])} of {_mib(c['limit'])} held ({c['extents']:,} extents), hit rate {hit}, "
+        f"{c['evictions']:,} evictions",
+        f"bytes     {_mib(s['bytes']['from_source'])} read from the archive, "
+        f"{_mib(s['bytes']['served'])} served",
+        "requests  " + ", ".join(f"{k} {v:,}" for k, v in sorted(s["requests"].items())),
+        "errors    " + (", ".join(f"{k} {v:,}" for k, v in sorted(s["errors"].items())) or "none"),
+        "open      "
+        + ("not tracked (kernel no-open mode)" if s["open_files"] is None else f"{s['open_files']:,} files"),
+    ]
+    if s.get("fast_path"):
+        f = s["fast_path"]
+        lines.append(f"C path    {f['getattr_fast']:,} getattr and {f['read_fast']:,} reads served in C "
+                     f"({f['getattr_fallback']:,} / {f['read_fallback']:,} passed to Python)")  # fmt: skip
+    if s.get("source"):
+        lines.append("source    " + ", ".join(f"{k} {v}" for k, v in sorted(s["source"].items())))
+    return "\n".join(lines)
 
 
 def _version_string() -> str:
@@ -286,10 +341,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="where tar / tar.zst indexes are kept so a remount needs no scan "
         "(default $XDG_CACHE_HOME/cdmlfs/index or ~/.cache/cdmlfs/index)",
     )
+    s3 = _OneLineParser(add_help=False)
+    g = s3.add_argument_group("S3 sources (s3://BUCKET/KEY; credentials from the standard AWS chain)")
+    g.add_argument(
+        "--endpoint-url", metavar="URL", help="S3-compatible endpoint (MinIO, Ceph...); implies path style"
+    )
+    g.add_argument("--region", help="bucket region (default: from the AWS profile or environment)")
+    g.add_argument("--no-sign-request", action="store_true", help="anonymous requests (public buckets)")
+    g.add_argument("--profile", help="AWS profile from ~/.aws/config and ~/.aws/credentials")
+    g.add_argument(
+        "--addressing-style",
+        choices=("auto", "path", "virtual"),
+        help="bucket in the host name (virtual) or the path (default: path with --endpoint-url, else auto)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("mount", parents=[common, indexed], help="mount an archive as a read-only directory")
-    p.add_argument("source", help="archive path or URI (data.zip, data.tar.zst)")
+    p = sub.add_parser(
+        "mount", parents=[common, indexed, s3], help="mount an archive as a read-only directory"
+    )
+    p.add_argument("source", help="archive path or URI (data.zip, data.tar.zst, s3://bucket/data.zip)")
     p.add_argument("mountpoint", help="an existing empty directory")
     p.add_argument("-f", "--foreground", action="store_true", help="serve in the foreground (logs to stderr)")
     p.add_argument(
@@ -337,20 +407,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("mountpoint")
     p.set_defaults(func=cmd_umount)
 
-    p = sub.add_parser("ls", parents=[common, indexed], help="list archive contents without mounting")
+    p = sub.add_parser("ls", parents=[common, indexed, s3], help="list archive contents without mounting")
     p.add_argument("source")
     p.add_argument("path", nargs="?", default="")
     p.add_argument("-l", "--long", action="store_true", help="mode, size, mtime")
     p.add_argument("-R", "--recursive", action="store_true")
     p.set_defaults(func=cmd_ls)
 
-    p = sub.add_parser("cat", parents=[common, indexed], help="write members to stdout")
+    p = sub.add_parser("cat", parents=[common, indexed, s3], help="write members to stdout")
     p.add_argument("source")
     p.add_argument("paths", nargs="+")
     p.set_defaults(func=cmd_cat)
 
     p = sub.add_parser(
-        "extract", parents=[common, indexed], help="copy members (or folders) out of the archive"
+        "extract", parents=[common, indexed, s3], help="copy members (or folders) out of the archive"
     )
     p.add_argument("source")
     p.add_argument("paths", nargs="+")
@@ -359,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "pack",
-        parents=[common, indexed],
+        parents=[common, indexed, s3],
         help="write a directory or archive as a seekable tar.zst (or .tar, .zip) that mounts instantly",
     )
     p.add_argument("source", help="a directory, or an archive (zip, tar, tar.zst)")
@@ -376,6 +446,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")
     p.add_argument("-q", "--quiet", action="store_true", help="no summary line")
     p.set_defaults(func=cmd_pack)
+
+    p = sub.add_parser("stats", parents=[common], help="live counters of a mount (cache, bytes, errors, RSS)")
+    p.add_argument("mountpoint")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("doctor", parents=[common], help="show which accelerators and FUSE library are in use")
     p.set_defaults(func=cmd_doctor)

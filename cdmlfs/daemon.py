@@ -75,6 +75,7 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
     mfusepy = load_mfusepy()
     ops = ArchiveOperations(archive, direct_io_min=opts.direct_io_min)
     multithreaded = opts.multithreaded(archive)
+    ops.serving = "multithreaded" if multithreaded else "single-threaded"
 
     def ready() -> None:
         if ready_fd is not None:

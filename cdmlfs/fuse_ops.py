@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import logging
 import os
 import stat as statmod
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 _FUSE_READDIR_PLUS = 1
 _FUSE_FILL_DIR_PLUS = 2
 TIMEOUT = 3600.0
+STATS_XATTR = "user.cdmlfs.stats"
 
 
 def load_mfusepy():
@@ -79,6 +81,14 @@ class ArchiveOperations:
         self._log_lock = threading.Lock()
         self.ready_callback = None  # called once libfuse has mounted and initialised
         self.fast_table = None  # the C fast path's table when active (its counters feed stats)
+        self.serving = "single-threaded"
+        self._total_bytes: int | None = None
+        self._index_bytes = self.index.nbytes()
+        self._stats_blob: bytes | None = None
+        self._stats_time = 0.0
+        if direct_io_min is not None:
+            # Opens reach us in this mode; count them (no release handler otherwise: libfuse answers it).
+            self.release = self._release
 
     # -- helpers -------------------------------------------------------------
     def _eid(self, path: str) -> int:
@@ -209,10 +219,15 @@ class ArchiveOperations:
         if self.index.kind[eid] == DIR:
             raise OSError(errno.EISDIR, "")
         self.stats.requests["open"] += 1
+        self.stats.open_files += 1
         fi.fh = eid
         fi.keep_cache = 1
         if self.index.size[self.index.data_entry(eid)] >= self.direct_io_min:
             fi.direct_io = 1
+        return 0
+
+    def _release(self, path: str | None, fi) -> int:
+        self.stats.open_files -= 1
         return 0
 
     def read(self, path: str | None, size: int, offset: int, fi) -> bytes:
@@ -236,21 +251,87 @@ class ArchiveOperations:
         return n
 
     def statfs(self, path: str) -> dict:
-        ix = self.index
-        total = ix.total_file_bytes() if not hasattr(self, "_total") else self._total
-        self._total = total
-        blocks = (total + 4095) // 4096
+        if self._total_bytes is None:
+            self._total_bytes = self.index.total_file_bytes()
         return {
             "f_bsize": 4096,
             "f_frsize": 4096,
-            "f_blocks": blocks,
+            "f_blocks": (self._total_bytes + 4095) // 4096,
             "f_bfree": 0,
             "f_bavail": 0,
-            "f_files": len(ix),
+            "f_files": len(self.index),
             "f_ffree": 0,
             "f_favail": 0,
             "f_namemax": 255,
         }
+
+    # -- live stats (cdmlfs stats MNT reads this extended attribute of the mount root) ----------
+    def getxattr(self, path: str, name: str, position: int = 0) -> bytes:
+        if path != "/" or name != STATS_XATTR:
+            raise OSError(errno.ENODATA, "")
+        now = time.monotonic()
+        # The kernel asks twice (size, then value): answer both from one snapshot.
+        if self._stats_blob is None or now - self._stats_time > 0.5:
+            self._stats_blob = json.dumps(self.snapshot(), sort_keys=True).encode()
+            self._stats_time = now
+        return self._stats_blob
+
+    def listxattr(self, path: str) -> list[str]:
+        return [STATS_XATTR] if path == "/" else []
+
+    def snapshot(self) -> dict:
+        """Everything ``cdmlfs stats`` shows, as plain JSON-able values."""
+        archive = self.archive
+        cache = archive.cache
+        st = self.stats
+        requests = dict(st.requests)
+        served = st.bytes_served
+        from_source = self.reader.bytes_from_source
+        fast = self.fast_table.stats() if self.fast_table is not None else None
+        if fast is not None:
+            requests["getattr"] += fast["getattr_fast"]
+            requests["read"] += fast["read_fast"]
+            served += fast["bytes_fast"]
+            from_source += fast["bytes_source"]
+        lookups = cache.stats.hits + cache.stats.misses
+        source_stats = getattr(archive.source, "stats", None)
+        return {
+            "archive": archive.location,
+            "format": archive.format.name,
+            "entries": len(self.index) - 1,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - st.started, 1),
+            "serving": self.serving,
+            "fast_path": fast,
+            "cache": {
+                "limit": cache.limit,
+                "held": cache.held,
+                "reserved": cache.reserved,
+                "extents": len(cache),
+                "hits": cache.stats.hits,
+                "misses": cache.stats.misses,
+                "hit_rate": round(cache.stats.hits / lookups, 4) if lookups else None,
+                "evictions": cache.stats.evictions,
+            },
+            "bytes": {"from_source": from_source, "served": served},
+            "requests": requests,
+            "errors": dict(st.errors),
+            "open_files": st.open_files if self.direct_io_min is not None else None,
+            "index_bytes": self._index_bytes,
+            "rss_bytes": _rss_bytes(),
+            "source": source_stats() if callable(source_stats) else None,
+        }
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 class _Ts:

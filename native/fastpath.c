@@ -66,7 +66,7 @@ typedef struct {
     int64_t whole_limit;
     getattr_fn py_getattr;
     read_fn py_read;
-    atomic_ullong getattr_fast, getattr_slow, read_fast, read_slow, bytes_fast;
+    atomic_ullong getattr_fast, getattr_slow, read_fast, read_slow, bytes_fast, bytes_source;
 } FastPath;
 
 static FastPath *active; /* the one table the C callbacks serve (one mount per daemon) */
@@ -232,6 +232,7 @@ fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
     uint32_t crc = COL(t, COL_CRC, uint32_t)[e];
     if (method == M_STORED) {
         size_t n = (size_t)((uint64_t)off + size > total ? total - (uint64_t)off : size);
+        uint64_t from_source = n;
         if (verified[e]) {
             if (pread_full(t->fd, buf, n, data_at + off) != 0)
                 goto slow;
@@ -242,9 +243,11 @@ fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
             if (pread_full(t->fd, buf, total, data_at) != 0 || libdeflate_crc32(0, buf, total) != crc)
                 goto slow; /* Python re-reads, reports and logs */
             verified[e] = 1;
+            from_source = total;
         }
         atomic_fetch_add_explicit(&t->read_fast, 1, memory_order_relaxed);
         atomic_fetch_add_explicit(&t->bytes_fast, n, memory_order_relaxed);
+        atomic_fetch_add_explicit(&t->bytes_source, from_source, memory_order_relaxed);
         return (int)n;
     }
     /* Deflate: whole small members only (the kernel's first read of a small file covers it). */
@@ -268,6 +271,7 @@ fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
         goto slow;
     atomic_fetch_add_explicit(&t->read_fast, 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&t->bytes_fast, total, memory_order_relaxed);
+    atomic_fetch_add_explicit(&t->bytes_source, comp, memory_order_relaxed);
     return (int)total;
 slow:
     atomic_fetch_add_explicit(&t->read_slow, 1, memory_order_relaxed);
@@ -400,11 +404,12 @@ FastPath_lookup(FastPath *self, PyObject *arg)
 static PyObject *
 FastPath_stats(FastPath *self, PyObject *Py_UNUSED(ignored))
 {
-    return Py_BuildValue("{sKsKsKsKsK}", "getattr_fast", (unsigned long long)atomic_load(&self->getattr_fast),
+    return Py_BuildValue("{sKsKsKsKsKsK}", "getattr_fast", (unsigned long long)atomic_load(&self->getattr_fast),
                          "getattr_fallback", (unsigned long long)atomic_load(&self->getattr_slow), "read_fast",
                          (unsigned long long)atomic_load(&self->read_fast), "read_fallback",
                          (unsigned long long)atomic_load(&self->read_slow), "bytes_fast",
-                         (unsigned long long)atomic_load(&self->bytes_fast));
+                         (unsigned long long)atomic_load(&self->bytes_fast), "bytes_source",
+                         (unsigned long long)atomic_load(&self->bytes_source));
 }
 
 static PyObject *
