@@ -22,28 +22,44 @@ def make_image_tree(
     max_side: int = 500,
     seed: int = 0,
     fmt: str = "JPEG",
+    workers: int = 1,
 ) -> list[Path]:
-    """Write ``root/class_XX/img_XXXXX.jpg`` files; returns their paths in name order."""
+    """Write ``root/class_XX/img_XXXXX.jpg`` files; returns their paths in name order.
+
+    The content depends only on the arguments (``workers`` only splits the work by class).
+    """
+    jobs = [(Path(root), c, per_class, min_side, max_side, seed, fmt) for c in range(classes)]
+    if workers > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(workers) as pool:
+            parts = list(pool.map(_make_class, jobs))
+    else:
+        parts = [_make_class(job) for job in jobs]
+    return sorted(p for part in parts for p in part)
+
+
+def _make_class(job: tuple) -> list[Path]:
     import numpy as np
     from PIL import Image
 
-    rng = random.Random(seed)
-    nrng = np.random.default_rng(seed)
+    root, c, per_class, min_side, max_side, seed, fmt = job
+    rng = random.Random(f"{seed}:{c}")
+    nrng = np.random.default_rng([seed, c])
     ext = {"JPEG": ".jpg", "PNG": ".png"}[fmt]
+    d = root / f"class_{c:02d}"
+    d.mkdir(parents=True, exist_ok=True)
     out = []
-    for c in range(classes):
-        d = Path(root) / f"class_{c:02d}"
-        d.mkdir(parents=True, exist_ok=True)
-        for i in range(per_class):
-            w, h = rng.randint(min_side, max_side), rng.randint(min_side, max_side)
-            coarse = nrng.integers(0, 256, (6, 6, 3), dtype=np.uint8)
-            img = Image.fromarray(coarse).resize((w, h), Image.BICUBIC)
-            grain = nrng.integers(-8, 9, (h, w, 3), dtype=np.int16)
-            pixels = np.clip(np.asarray(img, dtype=np.int16) + grain, 0, 255).astype(np.uint8)
-            path = d / f"img_{i:05d}{ext}"
-            Image.fromarray(pixels).save(path, fmt, **({"quality": 90} if fmt == "JPEG" else {}))
-            out.append(path)
-    return sorted(out)
+    for i in range(per_class):
+        w, h = rng.randint(min_side, max_side), rng.randint(min_side, max_side)
+        coarse = nrng.integers(0, 256, (6, 6, 3), dtype=np.uint8)
+        img = Image.fromarray(coarse).resize((w, h), Image.BICUBIC)
+        grain = nrng.integers(-8, 9, (h, w, 3), dtype=np.int16)
+        pixels = np.clip(np.asarray(img, dtype=np.int16) + grain, 0, 255).astype(np.uint8)
+        path = d / f"img_{i:05d}{ext}"
+        Image.fromarray(pixels).save(path, fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+        out.append(path)
+    return out
 
 
 def zip_tree(
