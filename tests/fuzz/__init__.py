@@ -1,0 +1,1 @@
+"""Fuzzing harnesses for cdmlfs's parsers (shared by tests/test_fuzz*.py and scripts/fuzz.py)."""
