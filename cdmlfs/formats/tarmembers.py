@@ -161,6 +161,8 @@ class MemberTable:
         links = link_text.split("\0") if n_links else []
         if len(table.names) != n or len(links) != n_links or max(table.kind, default=0) > HARDLINK:
             raise MemberTableError("member table columns disagree")
+        if any(i >= n for i in link_ids):  # an id past the members would fail later, far from here
+            raise MemberTableError("member table links name members it does not have")
         table.links = dict(zip(link_ids, links))
         if any(table.kind[i] not in (SYMLINK, HARDLINK) for i in table.links) or any(
             k in (SYMLINK, HARDLINK) and i not in table.links for i, k in enumerate(table.kind)
