@@ -126,6 +126,8 @@ class FrameTable:
     @classmethod
     def decode(cls, data: bytes, source_size: int) -> FrameTable:
         """Inverse of :meth:`encode`; raises ValueError unless every frame lies inside the source."""
+        if len(data) < 8:
+            raise ValueError("frame table is truncated")
         head = array("Q")
         head.frombytes(data[:8])
         n = head[0]
