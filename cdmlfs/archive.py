@@ -41,14 +41,17 @@ class Archive:
         self._location = location if isinstance(location, str) else None
         self._cache_size = cache_size
         self._options = options
-        self.source: Source = open_source(location, **options) if isinstance(location, str) else location
+        # Created first: a remote source keeps its fetched blocks in it (one bound for all bytes held).
+        self.cache = ExtentCache(cache_size)
+        self.source: Source = (
+            open_source(location, cache=self.cache, **options) if isinstance(location, str) else location
+        )
         try:
             self.format = open_format(self.source, progress=progress, **options)
         except BaseException:
             self.source.close()
             raise
         self.index: Index = self.format.index
-        self.cache = ExtentCache(cache_size)
         self.reader = ExtentReader(self.format, self.cache)
 
     # -- lifecycle -----------------------------------------------------------

@@ -1,0 +1,473 @@
+"""The block layer of remote sources: fetched byte spans live in the shared, bounded ExtentCache.
+
+A remote source turns ``read_at(offset, length)`` into ranged requests through
+a ``fetch(start, end) -> bytes`` function (which retries on its own). This
+layer decides *which* ranges to request and keeps what came back:
+
+* **Spans, not fixed blocks.** Random access to small members must not drag in
+  a large block per read (a 2 KiB member in a 1 MiB block is 500x the bytes),
+  and sequential reads want large requests. So every request is a span of the
+  size the access pattern calls for (see :mod:`cdmlfs.sources.readahead`), and
+  spans are entries of the archive's one :class:`~cdmlfs.cache.ExtentCache`:
+  they share its byte bound and LRU with decoded extents. A sorted index of
+  disjoint spans finds which parts of a read are cached, in flight or missing.
+* **In flight once.** A span being fetched is in the index with a future;
+  concurrent readers of the same bytes wait for it instead of fetching again.
+* **Large reads in parallel.** A missing range is split into parts (at most
+  ``part_size``, at least ``min_parallel_part`` each when it pays) fetched
+  concurrently on a bounded pool; the HTTP connection pool has the same size.
+* **Prefetch without breaking the bound or deadlocking.** Prefetched spans
+  reserve their bytes in the cache before their request starts, so held +
+  in-flight bytes never exceed the limit. A prefetch still waiting for its
+  reservation is invisible to readers (a reader that needs those bytes cancels
+  it and fetches them itself), and foreground fetches never wait on the cache
+  (they insert with ``put``, which fails instead of blocking): a reader that
+  holds a decode reservation can therefore never wait on a fetch that waits on
+  that reservation. Foreground and prefetch requests use separate pools, so a
+  long prefetch queue never delays a read someone is waiting for.
+* **Drop-behind.** Prefetched spans a sequential reader has passed are dropped
+  from the cache, so scanning a huge member does not flush everything else.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from cdmlfs.cache import ExtentCache
+from cdmlfs.errors import SourceError
+from cdmlfs.sources import forksafe
+from cdmlfs.sources.readahead import ProbeLearner, ReadaheadConfig, Stream, StreamTable
+
+log = logging.getLogger(__name__)
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+PENDING = 0  # prefetch queued, no reservation yet: readers cancel it rather than wait
+FETCHING = 1  # request running: readers wait for it
+DONE = 2  # bytes are (or were, until evicted) in the cache under the span's key
+
+Fetch = Callable[[int, int], bytes]
+
+
+@dataclass
+class BlockConfig:
+    part_size: int = 8 * MiB  # largest single request
+    min_parallel_part: int = 1 * MiB  # a missing range is split into parts of at least this
+    foreground_workers: int = 8
+    prefetch_workers: int = 8
+    prefetch_headroom: float = 0.5  # no prefetch while reservations fill more than this share of the cache
+    readahead: ReadaheadConfig | None = None
+
+
+class _Span:
+    __slots__ = ("cancelled", "end", "future", "key", "prefetch", "start", "state")
+
+    def __init__(self, tag: object, start: int, end: int, state: int, prefetch: bool) -> None:
+        self.start = start
+        self.end = end
+        self.key = (tag, start, end)
+        self.state = state
+        self.prefetch = prefetch
+        self.cancelled = False
+        self.future: Future | None = Future() if state != DONE else None
+
+
+class BlockStats:
+    """Counters for benchmarks and ``stats`` (best effort under concurrency)."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.read_bytes = 0
+        self.fetches = 0
+        self.fetched_bytes = 0
+        self.prefetches = 0
+        self.prefetched_bytes = 0
+        self.prefetch_cancelled = 0
+        self.dropped_behind = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+class BlockLayer:
+    """``read(offset, length)`` over a ranged ``fetch`` through spans in a shared ExtentCache."""
+
+    def __init__(
+        self,
+        fetch: Fetch,
+        size: int,
+        cache: ExtentCache,
+        config: BlockConfig | None = None,
+        name: str = "remote",
+    ) -> None:
+        self._fetch = fetch
+        self.size = size
+        self.cache = cache
+        self.name = name
+        cfg = config or BlockConfig()
+        ra = cfg.readahead or ReadaheadConfig()
+        # Nothing may exceed what the cache can reserve next to other users.
+        cap = max(64 * KiB, cache.limit // 8)
+        cfg.part_size = max(64 * KiB, min(cfg.part_size, cap))
+        cfg.min_parallel_part = min(cfg.min_parallel_part, cfg.part_size)
+        ra.max_window = max(ra.min_window, min(ra.max_window, cache.limit // 4))
+        self.config = cfg
+        self.readahead = ra
+        self._tag = object()  # cache keys of this layer cannot collide with anyone else's
+        self._lock = threading.Lock()
+        self._starts: list[int] = []  # sorted starts of disjoint spans
+        self._spans: dict[int, _Span] = {}
+        self._sweep_at = 4096
+        self._streams = StreamTable(ra)
+        self._probes = ProbeLearner(ra)
+        self._fg_pool: ThreadPoolExecutor | None = None
+        self._pf_pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._closed = False
+        self.stats = BlockStats()
+        forksafe.register(self)
+
+    # -- public ----------------------------------------------------------------
+    def read(self, offset: int, length: int) -> bytes:
+        """Exactly ``length`` bytes at ``offset`` (the caller checked the bounds)."""
+        if length <= 0:
+            return b""
+        if self._closed:
+            raise SourceError(f"{self.name}: source is closed")
+        self.stats.reads += 1
+        self.stats.read_bytes += length
+        stream, ahead = self._streams.observe(offset, length, self.size)
+        expand = self._probes.observe(offset, length)
+        pieces, own, waits = self._plan(offset, offset + length, expand)
+        self._submit(own)
+        if ahead is not None:  # queue the prefetch before waiting: it overlaps with our own requests
+            self._prefetch(ahead[0], ahead[1], stream)
+        data = self._collect(offset, offset + length, pieces, own, waits)
+        if stream.prefetched:
+            self._drop_behind(stream)
+        return data
+
+    def seed(self, start: int, data: bytes) -> None:
+        """Insert bytes fetched elsewhere (the suffix read when the object was opened)."""
+        end = start + len(data)
+        with self._lock:
+            if self._overlaps(start, end):
+                return
+            span = _Span(self._tag, start, end, DONE, False)
+            if self.cache.put(span.key, data):
+                self._insert(span)
+
+    def close(self) -> None:
+        self._closed = True
+        self._shutdown_pools(wait=False)
+        with self._lock:
+            spans = list(self._spans.values())
+            self._starts.clear()
+            self._spans.clear()
+        for span in spans:
+            if span.state == DONE:
+                self.cache.discard(span.key)
+            else:
+                span.cancelled = True
+                _settle(span, exc=SourceError(f"{self.name}: source closed during the read"))
+
+    # -- reading ------------------------------------------------------------------
+    def _submit(self, own: list[_Span]) -> None:
+        if own:
+            pool = self._pool(prefetch=False)
+            for span in own:
+                pool.submit(self._run_foreground, span)
+
+    def _collect(
+        self, offset: int, end: int, pieces: list, own: list[_Span], waits: list[_Span], retry: bool = True
+    ) -> bytes:
+        """Wait for our requests and the ones we share, then cut [offset, end) out of the pieces."""
+        for span in own:
+            pieces.append((span.start, span.future.result()))  # type: ignore[union-attr]
+        for span in waits:
+            try:
+                pieces.append((span.start, span.future.result()))  # type: ignore[union-attr]
+            except Exception:
+                if not (span.prefetch and retry):
+                    raise
+                # A failed prefetch (already retried, now out of the index): fetch the bytes ourselves once.
+                pieces, own, waits = self._plan(offset, end, 0)
+                self._submit(own)
+                return self._collect(offset, end, pieces, own, waits, retry=False)
+        return _assemble(pieces, offset, end)
+
+    def _plan(self, offset: int, end: int, expand: int) -> tuple[list, list[_Span], list[_Span]]:
+        """Under the lock: what is cached, what is in flight, and register fetches for the rest."""
+        pieces: list[tuple[int, bytes]] = []
+        waits: list[_Span] = []
+        own: list[_Span] = []
+        with self._lock:
+            starts = self._starts
+            i = max(bisect.bisect_right(starts, offset) - 1, 0)
+            j = bisect.bisect_left(starts, end)
+            gaps: list[list[int]] = []
+            pos = offset
+            takeover = 0
+            for start in starts[i:j]:
+                span = self._spans[start]
+                if span.end <= pos:
+                    continue
+                if span.state == DONE:
+                    data = self.cache.get(span.key)
+                    if data is None:  # evicted: forget it, its range becomes a gap
+                        self._remove(span)
+                        continue
+                    piece: tuple | None = (span.start, data)
+                elif span.state == PENDING:  # not started: take all of it over (we read sequentially)
+                    span.cancelled = True
+                    self.stats.prefetch_cancelled += 1
+                    self._remove(span)
+                    takeover = max(takeover, span.end)
+                    continue
+                else:
+                    piece = None
+                    waits.append(span)
+                if span.start > pos:
+                    gaps.append([pos, span.start])
+                if piece is not None:
+                    pieces.append(piece)
+                pos = span.end
+                if pos >= end:
+                    break
+            if pos < end:
+                gaps.append([pos, max(end, takeover)])
+            if gaps and expand and gaps[-1][1] == end:
+                # A header probe that misses: fetch what usually follows it in the same request.
+                limit = min(self.size, offset + expand, self._next_start(end))
+                gaps[-1][1] = max(end, limit)
+            for lo, hi in gaps:
+                for plo, phi in self._split(lo, hi):
+                    span = _Span(self._tag, plo, phi, FETCHING, False)
+                    self._insert(span)
+                    own.append(span)
+        return pieces, own, waits
+
+    def _split(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Parts of a missing range: at most part_size, spread over the pool when large."""
+        cfg = self.config
+        n = hi - lo
+        parts = -(-n // cfg.part_size)
+        if n >= 2 * cfg.min_parallel_part:
+            parts = max(parts, min(cfg.foreground_workers, n // cfg.min_parallel_part))
+        step = -(-n // parts)
+        return [(p, min(p + step, hi)) for p in range(lo, hi, step)]
+
+    def _run_foreground(self, span: _Span) -> None:
+        try:
+            data = self._fetch(span.start, span.end)
+        except BaseException as exc:
+            with self._lock:
+                self._remove_if_indexed(span)
+            _settle(span, exc=exc)
+            return
+        cached = self.cache.put(span.key, data)
+        with self._lock:
+            self.stats.fetches += 1
+            self.stats.fetched_bytes += len(data)
+            if cached and self._spans.get(span.start) is span:
+                span.state = DONE
+            else:
+                self._remove_if_indexed(span)
+        _settle(span, data)
+
+    # -- prefetch ---------------------------------------------------------------
+    def _prefetch(self, lo: int, hi: int, stream: Stream) -> None:
+        part = self.config.part_size
+        new: list[_Span] = []
+        with self._lock:
+            starts = self._starts
+            i = max(bisect.bisect_right(starts, lo) - 1, 0)
+            pos = lo
+            gaps = []
+            for start in starts[i:]:
+                if start >= hi:
+                    break
+                span = self._spans[start]
+                if span.end <= pos:
+                    continue
+                if span.start > pos:
+                    gaps.append((pos, span.start))
+                pos = span.end
+            if pos < hi:
+                gaps.append((pos, hi))
+            for glo, ghi in gaps:
+                for p in range(glo, ghi, part):
+                    span = _Span(self._tag, p, min(p + part, ghi), PENDING, True)
+                    self._insert(span)
+                    new.append(span)
+                    stream.prefetched.append(span)
+        if new:
+            pool = self._pool(prefetch=True)
+            for span in new:
+                pool.submit(self._run_prefetch, span)
+
+    def _run_prefetch(self, span: _Span) -> None:
+        cache = self.cache
+        n = span.end - span.start
+        with self._lock:
+            if span.cancelled or self._spans.get(span.start) is not span:
+                return
+            if cache.reserved + n > cache.limit * self.config.prefetch_headroom:
+                span.cancelled = True  # the cache is busy with decodes: do not compete
+                self.stats.prefetch_cancelled += 1
+                self._remove(span)
+                return
+        with cache.reserve(n) as room:
+            with self._lock:
+                if span.cancelled or self._spans.get(span.start) is not span:
+                    return
+                span.state = FETCHING
+            try:
+                data = self._fetch(span.start, span.end)
+            except BaseException as exc:
+                log.debug("%s: prefetch of %d-%d failed: %s", self.name, span.start, span.end, exc)
+                with self._lock:
+                    self._remove_if_indexed(span)
+                _settle(span, exc=exc)
+                return
+            room.commit(span.key, data)
+        with self._lock:
+            self.stats.prefetches += 1
+            self.stats.prefetched_bytes += len(data)
+            if self._spans.get(span.start) is span:
+                span.state = DONE
+        _settle(span, data)
+
+    def _drop_behind(self, stream: Stream) -> None:
+        """Forget prefetched spans the stream has left well behind."""
+        lag = 2 * self.config.part_size
+        with self._lock:
+            q = stream.prefetched
+            while q and q[0].end + lag < stream.next:
+                span = q.popleft()
+                if span.state == DONE and self._spans.get(span.start) is span:
+                    self._remove(span)
+                    self.cache.discard(span.key)
+                    self.stats.dropped_behind += 1
+
+    # -- index (caller holds self._lock) -------------------------------------------
+    def _insert(self, span: _Span) -> None:
+        bisect.insort(self._starts, span.start)
+        self._spans[span.start] = span
+        if len(self._spans) > self._sweep_at:
+            self._sweep()
+
+    def _remove(self, span: _Span) -> None:
+        del self._spans[span.start]
+        i = bisect.bisect_left(self._starts, span.start)
+        del self._starts[i]
+
+    def _remove_if_indexed(self, span: _Span) -> None:
+        if self._spans.get(span.start) is span:
+            self._remove(span)
+
+    def _overlaps(self, start: int, end: int) -> bool:
+        i = bisect.bisect_right(self._starts, start) - 1
+        if i >= 0 and self._spans[self._starts[i]].end > start:
+            return True
+        return i + 1 < len(self._starts) and self._starts[i + 1] < end
+
+    def _next_start(self, pos: int) -> int:
+        i = bisect.bisect_left(self._starts, pos)
+        return self._starts[i] if i < len(self._starts) else self.size
+
+    def _sweep(self) -> None:
+        """Drop index entries whose bytes the LRU evicted (the cache does not tell us)."""
+        for span in list(self._spans.values()):
+            if span.state == DONE and self.cache.peek(span.key) is None:
+                self._remove(span)
+        self._sweep_at = max(4096, 2 * len(self._spans))
+
+    # -- pools and fork -----------------------------------------------------------
+    def _pool(self, prefetch: bool) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if prefetch:
+                if self._pf_pool is None:
+                    self._pf_pool = ThreadPoolExecutor(
+                        self.config.prefetch_workers, thread_name_prefix="cdmlfs-prefetch"
+                    )
+                return self._pf_pool
+            if self._fg_pool is None:
+                self._fg_pool = ThreadPoolExecutor(
+                    self.config.foreground_workers, thread_name_prefix="cdmlfs-fetch"
+                )
+            return self._fg_pool
+
+    def _shutdown_pools(self, wait: bool) -> None:
+        with self._pool_lock:
+            fg, pf = self._fg_pool, self._pf_pool
+            self._fg_pool = self._pf_pool = None
+        if pf is not None:
+            pf.shutdown(wait=wait, cancel_futures=True)  # queued prefetches are PENDING: nobody waits
+        if fg is not None:
+            fg.shutdown(wait=wait)  # readers wait on these: let every queued one run
+
+    def _before_fork(self) -> None:
+        # Let running requests finish: afterwards no pool thread holds our lock or the cache's.
+        self._shutdown_pools(wait=True)
+        with self._lock:
+            for span in list(self._spans.values()):
+                if span.state == PENDING:  # its task was cancelled with the pool
+                    span.cancelled = True
+                    self._remove(span)
+
+    def _after_fork_child(self) -> None:
+        self._lock = threading.Lock()
+        self._pool_lock = threading.Lock()
+        self._fg_pool = self._pf_pool = None
+        # In-flight spans belong to the parent's threads: their futures would never complete here.
+        for span in list(self._spans.values()):
+            if span.state != DONE:
+                self._remove(span)
+        self._streams = StreamTable(self.readahead)
+        self._probes = ProbeLearner(self.readahead)
+
+    def __repr__(self) -> str:
+        return f"BlockLayer({self.name!r}, spans={len(self._spans)}, pid={os.getpid()})"
+
+
+def _settle(span: _Span, data: bytes | None = None, exc: BaseException | None = None) -> None:
+    """Complete a span's future once (close() may have failed it already)."""
+    fut = span.future
+    if fut is None or fut.done():
+        return
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(data)
+    except InvalidStateError:
+        pass
+
+
+def _assemble(pieces: list[tuple[int, bytes]], offset: int, end: int) -> bytes:
+    """The bytes of [offset, end) out of spans that cover it (each given by its start)."""
+    if len(pieces) == 1:
+        start, data = pieces[0]
+        lo = offset - start
+        if lo == 0 and len(data) == end - offset:
+            return data if type(data) is bytes else bytes(data)
+        return bytes(data[lo : lo + end - offset])
+    pieces.sort(key=lambda p: p[0])
+    views = []
+    for start, data in pieces:
+        lo = max(offset - start, 0)
+        hi = min(end - start, len(data))
+        if hi > lo:
+            views.append(memoryview(data)[lo:hi])
+    out = b"".join(views)
+    if len(out) != end - offset:
+        raise SourceError(f"internal error: assembled {len(out)} bytes instead of {end - offset}")
+    return out

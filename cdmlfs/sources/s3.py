@@ -1,0 +1,467 @@
+"""S3 objects as byte sources: ranged GETs pinned to the ETag seen at open, retried, block-cached.
+
+``s3://bucket/key`` opens with *one* request: a suffix range (the last
+``open_suffix`` bytes) whose reply also carries the object's size and ETag, so
+no HEAD is needed, and whose bytes hold what every format reads first (the ZIP
+end-of-central-directory record and usually the whole central directory, the
+zstd seek table). All later reads go through :class:`~cdmlfs.sources.blocks.BlockLayer`.
+
+Consistency: every GET sends ``If-Match: <ETag at open>`` and every reply's
+ETag, Content-Range and length are checked, so a replaced object can never mix
+bytes of two versions into one read; it fails the read with
+:class:`~cdmlfs.errors.SourceChangedError` (EIO in the mount), and every later
+read that needs the network fails fast the same way. A server that ignores
+If-Match is caught by the ETag check of the reply.
+
+Faults: timeouts, resets, 5xx, throttling and short bodies are retried with
+jittered exponential backoff (:class:`~cdmlfs.sources.retry.RetryPolicy`),
+bounded in attempts and in total time; then the read fails with SourceError
+and one log line. botocore's own retries are off: its retry loop cannot see
+failures that happen while the body is read.
+
+Credentials come from boto3's standard chain (environment, ``--profile``,
+config files, instance roles) and are never logged: the SDK's DEBUG logs print
+signed request headers, so their loggers are capped at INFO.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import threading
+import time
+
+from cdmlfs.cache import ExtentCache
+from cdmlfs.errors import SourceChangedError, SourceError, UsageError
+from cdmlfs.sources import forksafe
+from cdmlfs.sources.base import SourceIdentity
+from cdmlfs.sources.blocks import BlockConfig, BlockLayer
+from cdmlfs.sources.retry import RetryPolicy
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+OPEN_SUFFIX = 1 * MiB
+HEAD_BYTES = 4096  # what format sniffing reads from the start (cdmlfs.formats.SNIFF_BYTES)
+PRIVATE_CACHE = 64 * MiB  # when no Archive cache is shared (a bare S3Object)
+SDK_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer")
+
+# Options open_source() passes through to S3Object (the rest belong to formats and front ends).
+S3_OPTIONS = frozenset(
+    {
+        "endpoint_url",
+        "region",
+        "no_sign_request",
+        "profile",
+        "addressing_style",
+        "max_connections",
+        "part_size",
+        "connect_timeout",
+        "read_timeout",
+        "retry",
+        "open_suffix",
+    }
+)
+
+_RETRYABLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "TooManyRequests",
+        "RequestLimitExceeded",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+    }
+)
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+_BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,254}$")
+
+
+class _Transient(Exception):
+    """One attempt failed in a way worth retrying (the message says how)."""
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """``s3://bucket/key`` -> (bucket, key). The key is taken verbatim (no URL decoding), like the AWS CLI."""
+    rest = uri[len("s3://") :] if uri[:5].lower() == "s3://" else uri
+    bucket, sep, key = rest.partition("/")
+    if not sep or not key or key.endswith("/"):
+        raise UsageError(f"{uri}: an S3 archive must be named s3://BUCKET/KEY (an object, not a prefix)")
+    if not _BUCKET.match(bucket):
+        # Never echo it: someone may have tried s3://KEY_ID:SECRET@bucket/...
+        raise UsageError("invalid bucket name in S3 URI (credentials in the URI are not supported)")
+    return bucket, key
+
+
+def _etag(value: str | None) -> str:
+    return (value or "").strip().removeprefix("W/").strip('"')
+
+
+def _quiet_sdk_loggers() -> None:
+    """The SDK logs signed request headers (key id, session token) at DEBUG: never let -v show them."""
+    for name in SDK_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.getEffectiveLevel() < logging.INFO:
+            logger.setLevel(logging.INFO)
+
+
+class S3Object:
+    """An S3 (or S3-compatible) object read with ranged GETs through a shared block cache."""
+
+    prefers_threads = True
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        cache: ExtentCache | None = None,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        no_sign_request: bool = False,
+        profile: str | None = None,
+        addressing_style: str | None = None,
+        max_connections: int = 16,
+        part_size: int = 8 * MiB,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 20.0,
+        retry: RetryPolicy | None = None,
+        open_suffix: int = OPEN_SUFFIX,
+    ) -> None:
+        self.bucket, self.key = parse_s3_uri(uri)
+        self.location = f"s3://{self.bucket}/{self.key}"
+        self.endpoint_url = endpoint_url
+        self.retry = retry or RetryPolicy()
+        if max_connections < 2:
+            raise UsageError("max_connections must be at least 2")
+        if addressing_style not in (None, "auto", "path", "virtual"):
+            raise UsageError(f"addressing style must be auto, path or virtual, not {addressing_style!r}")
+        # An explicit endpoint is almost always a non-AWS store (MinIO, Ceph, moto...): path style.
+        # Otherwise None: the profile's own s3.addressing_style setting (or botocore's default) applies.
+        self._addressing = addressing_style or ("path" if endpoint_url else None)
+        self._region = region
+        self._profile = profile
+        self._unsigned = bool(no_sign_request)
+        self._timeouts = (connect_timeout, read_timeout)
+        self._connections = max_connections
+        self._client_lock = threading.Lock()
+        self._client = None
+        self._session = None
+        self._changed: str | None = None
+        self.requests = 0  # GET attempts, including retries and the opening one
+        self.bytes_received = 0
+        self.retries = 0
+        _quiet_sdk_loggers()
+        self._make_session()
+        head = _Background(self._head, HEAD_BYTES)  # format sniffing reads the first bytes: same round trip
+        self.size, self.etag, tail_start, tail = self._open(open_suffix)
+        self.identity = SourceIdentity(self.location, self.size, _etag(self.etag))
+        owned = cache is None
+        self._cache = cache if cache is not None else ExtentCache(PRIVATE_CACHE)
+        self._owns_cache = owned
+        workers = max(1, max_connections // 2)
+        config = BlockConfig(
+            part_size=part_size, foreground_workers=workers, prefetch_workers=max_connections - workers
+        )
+        self._blocks = BlockLayer(self._get_range, self.size, self._cache, config, name=self.location)
+        if tail:
+            self._blocks.seed(tail_start, tail)
+        first = head.result()
+        if first is not None and first[0] == self.etag and tail_start > 0:
+            self._blocks.seed(0, first[1][: min(len(first[1]), tail_start)])
+        forksafe.register(self)
+
+    # -- Source protocol -----------------------------------------------------------
+    def read_at(self, offset: int, length: int) -> bytes:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise SourceError(
+                f"{self.location}: read of {length} bytes at {offset} is outside the object "
+                f"({self.size} bytes)"
+            )
+        return self._blocks.read(offset, length)
+
+    def fileno(self) -> int | None:
+        return None
+
+    def close(self) -> None:
+        self._blocks.close()
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):  # closing sockets must never fail an unmount
+                client.close()
+
+    def stats(self) -> dict[str, int]:
+        """Request and block-layer counters (``cdmlfs stats`` shows them)."""
+        out = {"get_requests": self.requests, "retries": self.retries, "bytes_received": self.bytes_received}
+        out.update(self._blocks.stats.as_dict())
+        return out
+
+    def __repr__(self) -> str:
+        return f"S3Object({self.location!r}, size={self.size})"
+
+    # -- client ------------------------------------------------------------------
+    def _make_session(self) -> None:
+        try:
+            import boto3
+            from botocore.exceptions import ProfileNotFound
+        except ImportError:
+            raise UsageError("S3 support needs boto3: pip install 'cdmlfs[s3]'") from None
+        try:
+            self._session = boto3.session.Session(profile_name=self._profile, region_name=self._region)
+        except ProfileNotFound:
+            raise UsageError(f"AWS profile {self._profile!r} not found") from None
+
+    def _s3(self):
+        """The client (created lazily, and again in a forked child: sockets are not shared)."""
+        client = self._client
+        if client is not None:
+            return client
+        with self._client_lock:
+            if self._client is None:
+                from botocore import UNSIGNED
+                from botocore.config import Config
+
+                connect, read = self._timeouts
+                kwargs = {
+                    "connect_timeout": connect,
+                    "read_timeout": read,
+                    "retries": {"total_max_attempts": 1, "mode": "standard"},  # we retry, body included
+                    "max_pool_connections": self._connections,
+                    "tcp_keepalive": True,
+                    # Ranged GETs carry no whole-object checksum; we check lengths and ETags ourselves.
+                    "request_checksum_calculation": "when_required",
+                    "response_checksum_validation": "when_required",
+                    "user_agent_extra": "cdmlfs",
+                }
+                if self._addressing:
+                    kwargs["s3"] = {"addressing_style": self._addressing}
+                if self._unsigned:
+                    kwargs["signature_version"] = UNSIGNED
+                self._client = self._session.client(  # type: ignore[union-attr]
+                    "s3", endpoint_url=self.endpoint_url, config=Config(**kwargs)
+                )
+            return self._client
+
+    def _before_fork(self) -> None:
+        pass
+
+    def _after_fork_child(self) -> None:
+        self._client_lock = threading.Lock()
+        self._client = None  # the parent's connection pool shares sockets with it
+
+    # -- requests ----------------------------------------------------------------
+    def _open(self, suffix: int) -> tuple[int, str, int, bytes]:
+        """One suffix GET: size, ETag, and the object's last bytes (where formats look first)."""
+
+        def attempt():
+            try:
+                resp = self._s3().get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes=-{suffix}")
+            except Exception as exc:
+                code = _error_code(exc)
+                if code == "InvalidRange":  # S3 answers 416 for any range of an empty object
+                    return self._open_empty()
+                self._classify(exc, opening=True)
+                raise
+            body = resp["Body"]
+            try:
+                etag = resp.get("ETag")
+                if not etag:
+                    raise SourceError(f"{self.location}: the server sent no ETag; reads could not be pinned")
+                length = resp.get("ContentLength")
+                crange = resp.get("ContentRange")
+                if crange:
+                    m = _CONTENT_RANGE.match(crange)
+                    if not m or m.group(3) == "*":
+                        raise _Transient(f"unparsable Content-Range {crange!r}")
+                    start, last, size = int(m.group(1)), int(m.group(2)), int(m.group(3))
+                    if last != size - 1 or last - start + 1 != length:
+                        raise _Transient(f"unexpected Content-Range {crange!r} for a suffix request")
+                else:  # 200: the whole object (smaller than the suffix, or empty)
+                    start, size = 0, length
+                    if length is None or length > suffix:
+                        raise SourceError(
+                            f"{self.location}: the server ignores Range requests (it sent all of "
+                            f"{length} bytes); random access needs ranged GETs"
+                        )
+                data = self._read_body(body, length)
+            finally:
+                body.close()
+            return size, etag, start, data
+
+        return self._with_retries(attempt, "open")
+
+    def _head(self, n: int) -> tuple[str, bytes] | None:
+        """The first ``n`` bytes and their ETag, unpinned (kept only if the ETag matches the suffix's)."""
+        try:
+            resp = self._s3().get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes=0-{n - 1}")
+            body = resp["Body"]
+            try:
+                crange = resp.get("ContentRange") or ""
+                if not crange.startswith("bytes 0-"):
+                    return None
+                data = body.read()
+            finally:
+                body.close()
+            self.requests += 1
+            self.bytes_received += len(data)
+            return resp.get("ETag") or "", data
+        except Exception as exc:  # an optimisation only: the format's own read will fetch it
+            log.debug("%s: head prefetch failed: %s", self.location, exc)
+            return None
+
+    def _open_empty(self) -> tuple[int, str, int, bytes]:
+        resp = self._s3().head_object(Bucket=self.bucket, Key=self.key)
+        etag = resp.get("ETag")
+        if not etag or resp.get("ContentLength"):
+            raise _Transient("416 for a suffix range of an object that is not empty")
+        return 0, etag, 0, b""
+
+    def _get_range(self, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the version opened, retried; the block layer's fetch function."""
+        if self._changed:
+            raise SourceChangedError(self._changed)
+        n = end - start
+        expect = f"bytes {start}-{end - 1}/{self.size}"
+
+        def attempt():
+            try:
+                resp = self._s3().get_object(
+                    Bucket=self.bucket, Key=self.key, Range=f"bytes={start}-{end - 1}", IfMatch=self.etag
+                )
+            except Exception as exc:
+                self._classify(exc, opening=False)
+                raise
+            body = resp["Body"]
+            try:
+                etag = resp.get("ETag")
+                if etag is not None and _etag(etag) != _etag(self.etag):
+                    raise self._mark_changed(f"its ETag is now {etag}")
+                crange = resp.get("ContentRange")
+                if crange != expect:
+                    whole = (
+                        crange is None and start == 0 and n == self.size and resp.get("ContentLength") == n
+                    )
+                    if not whole:
+                        m = _CONTENT_RANGE.match(crange or "")
+                        if m and m.group(3) != "*" and int(m.group(3)) != self.size:
+                            raise self._mark_changed(f"its size is now {m.group(3)} bytes")
+                        raise _Transient(f"asked for {expect}, got Content-Range {crange!r}")
+                return self._read_body(body, n)
+            finally:
+                body.close()
+
+        return self._with_retries(attempt, f"GET bytes={start}-{end - 1}")
+
+    def _read_body(self, body, n: int | None) -> bytes:
+        try:
+            data = body.read()
+        except Exception as exc:
+            self._classify(exc, opening=False)
+            raise
+        self.bytes_received += len(data)
+        if n is not None and len(data) != n:
+            raise _Transient(f"truncated body: {len(data)} of {n} bytes")
+        return data
+
+    def _with_retries(self, attempt, what: str):
+        policy = self.retry
+        started = time.monotonic()
+        failures = 0
+        while True:
+            self.requests += 1
+            try:
+                return attempt()
+            except _Transient as exc:
+                failures += 1
+                pause = policy.next_delay(failures, started)
+                elapsed = time.monotonic() - started
+                if pause is None:
+                    log.warning(
+                        "%s: %s failed %d times in %.1f s, giving up: %s",
+                        self.location, what, failures, elapsed, exc,
+                    )  # fmt: skip
+                    raise SourceError(
+                        f"{self.location}: {what} failed after {failures} attempts in {elapsed:.1f} s ({exc})"
+                    ) from None
+                self.retries += 1
+                log.info("%s: %s failed (%s); retry %d in %.2f s", self.location, what, exc, failures, pause)
+                time.sleep(pause)
+
+    def _classify(self, exc: BaseException, opening: bool) -> None:
+        """Raise the right error for an SDK or socket exception (never returns for known kinds)."""
+        from botocore.exceptions import (
+            BotoCoreError,
+            ClientError,
+            ConnectionError,
+            HTTPClientError,
+            IncompleteReadError,
+            NoCredentialsError,
+            PartialCredentialsError,
+        )
+
+        if isinstance(exc, (SourceError, _Transient)):
+            return
+        if isinstance(exc, ClientError):
+            code = _error_code(exc)
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if status >= 500 or status == 429 or code in _RETRYABLE_CODES:
+                raise _Transient(f"HTTP {status} {code}") from None
+            if not opening and (status == 412 or code == "PreconditionFailed"):
+                raise self._mark_changed("it was replaced (If-Match failed)") from None
+            if code in ("NoSuchKey", "NoSuchBucket") or status == 404:
+                if not opening:
+                    raise self._mark_changed("it was deleted") from None
+                raise UsageError(f"{self.location}: no such object ({code or status})") from None
+            if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch") or status == 403:
+                hint = (
+                    ""
+                    if self._unsigned
+                    else " (check credentials or --profile; public buckets: --no-sign-request)"
+                )
+                raise SourceError(f"{self.location}: access denied ({code or status}){hint}") from None
+            raise SourceError(f"{self.location}: S3 error {status} {code}") from None
+        if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+            raise SourceError(
+                f"{self.location}: no AWS credentials found (set AWS_PROFILE/--profile or the AWS_* "
+                "environment variables; public buckets: --no-sign-request)"
+            ) from None
+        if isinstance(exc, (ConnectionError, HTTPClientError, IncompleteReadError, OSError)):
+            raise _Transient(f"{type(exc).__name__}: {exc}") from None
+        if isinstance(exc, BotoCoreError):
+            raise SourceError(f"{self.location}: {exc}") from None
+
+    def _mark_changed(self, how: str) -> SourceChangedError:
+        message = (
+            f"{self.location}: the object changed after it was opened ({how}; ETag at open {self.etag}); "
+            "remount to read the new version"
+        )
+        if self._changed is None:
+            self._changed = message
+            log.error("%s", message)
+        return SourceChangedError(message)
+
+
+class _Background:
+    """Run one call in a thread; ``result()`` joins it (None if it raised)."""
+
+    def __init__(self, fn, *args) -> None:
+        self._result = None
+        self._thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, *args) -> None:
+        self._result = fn(*args)
+
+    def result(self):
+        self._thread.join()
+        return self._result
+
+
+def _error_code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return ""

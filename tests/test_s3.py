@@ -1,0 +1,278 @@
+"""S3 sources through the Python API against real HTTP endpoints on 127.0.0.1 (moto, localbucket).
+
+A fault-injecting proxy between boto3 and the endpoint counts the bytes requested
+and injects 503s, resets, stalls and short bodies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import random
+import shutil
+import subprocess
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import s3util
+from archives import python_zip, sample_files
+
+from cdmlfs.archive import Archive
+from cdmlfs.errors import SourceChangedError, SourceError, UsageError
+from cdmlfs.sources.retry import RetryPolicy
+from cdmlfs.sources.s3 import parse_s3_uri
+
+# Session servers and the proxy factory (fixtures live in s3util: conftest.py is shared).
+s3_credentials = s3util.s3_credentials
+moto_s3 = s3util.moto_s3
+localbucket_s3 = s3util.localbucket_s3
+proxy_to = s3util.proxy_to
+MiB = 1 << 20
+FAST_RETRY = RetryPolicy(max_attempts=8, base_delay=0.01, max_delay=0.05, deadline=10.0)
+
+
+def _small_zip(
+    tmp_path: Path, name: str = "a.zip", seed: int = 0, method: int = zipfile.ZIP_DEFLATED
+) -> Path:
+    files = sample_files(seed)
+    files["big/stored.bin"] = random.Random(seed).randbytes(3 * MiB)
+    return python_zip(tmp_path / name, files, method)
+
+
+def _many_small_zip(path: Path, n: int, size: int = 2048, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        for i in range(n):
+            zf.writestr(f"d{i // 1000:03d}/m{i:06d}.bin", rng.randbytes(size))
+    return path
+
+
+def _assert_same(remote: Archive, local: Archive) -> None:
+    assert remote.files() == local.files()
+    for path in local.files():
+        assert remote.stat(path).size == local.stat(path).size, path
+        assert remote.read(path) == local.read(path), path
+
+
+# -- basics --------------------------------------------------------------------------------------
+def test_uri_parsing() -> None:
+    assert parse_s3_uri("s3://bkt/a/b c.zip") == ("bkt", "a/b c.zip")
+    for bad in ("s3://bkt", "s3://bkt/", "s3://bkt/dir/", "s3:///key"):
+        with pytest.raises(UsageError):
+            parse_s3_uri(bad)
+    with pytest.raises(UsageError) as info:
+        parse_s3_uri("s3://AKIDEXAMPLE:s3cr3t@bkt/key.zip")
+    assert "s3cr3t" not in str(info.value)
+
+
+def test_zip_on_moto_equals_local_and_opens_with_one_request(moto_s3, proxy_to, tmp_path: Path) -> None:
+    path = _small_zip(tmp_path)
+    etag = moto_s3.put("api", "dir/a.zip", path)
+    proxy = proxy_to(moto_s3)
+    with Archive("s3://api/dir/a.zip", endpoint_url=proxy.url) as remote, Archive(str(path)) as local:
+        # A suffix GET gives size, ETag, the end-of-directory record and the directory itself;
+        # the first 4 KiB (format sniffing) come in a second GET sent at the same time.
+        assert sorted(r[1] for r in proxy.stats.log) == ["bytes=-1048576", "bytes=0-4095"]
+        remote.listdir("data")
+        remote.read("readme.txt")
+        assert proxy.stats.requests == 2
+        assert remote.source.identity.version == etag.strip('"')
+        assert remote.source.size == path.stat().st_size
+        assert remote.source.prefers_threads and remote.source.fileno() is None
+        _assert_same(remote, local)
+        with remote.open("big/stored.bin") as f:
+            f.seek(MiB + 5)
+            assert f.read(1000) == local.read("big/stored.bin", MiB + 5, 1000)
+
+
+def test_open_errors_are_one_line_usage_or_source_errors(moto_s3, proxy_to, tmp_path: Path) -> None:
+    moto_s3.put("errs", "x.zip", _small_zip(tmp_path))
+    with pytest.raises(UsageError, match="no such object"):
+        Archive("s3://errs/missing.zip", endpoint_url=moto_s3.url)
+    with pytest.raises(UsageError, match="no such object"):
+        Archive("s3://no-such-bucket/x.zip", endpoint_url=moto_s3.url)
+    proxy = proxy_to(moto_s3)
+    proxy.inject("403", 2)  # the suffix and the head requests
+    with pytest.raises(SourceError, match="access denied"):
+        Archive("s3://errs/x.zip", endpoint_url=proxy.url)
+    with pytest.raises(UsageError, match="profile"):
+        Archive("s3://errs/x.zip", endpoint_url=moto_s3.url, profile="no-such-profile")
+
+
+def test_no_sign_request_sends_anonymous_requests(moto_s3, proxy_to, tmp_path: Path) -> None:
+    path = _small_zip(tmp_path)
+    moto_s3.put("public", "p.zip", path)
+    with pytest.raises(SourceError, match="access denied"):  # moto checks: anonymous needs a public object
+        Archive("s3://public/p.zip", endpoint_url=moto_s3.url, no_sign_request=True)
+    moto_s3.client().put_object_acl(Bucket="public", Key="p.zip", ACL="public-read")
+    with Archive("s3://public/p.zip", endpoint_url=moto_s3.url, no_sign_request=True) as remote:
+        assert remote.read("readme.txt") == Archive(str(path)).read("readme.txt")
+
+
+def test_archive_pickles_and_reopens_with_its_options(moto_s3, tmp_path: Path) -> None:
+    path = _small_zip(tmp_path)
+    moto_s3.put("api", "pickled.zip", path)
+    with Archive("s3://api/pickled.zip", endpoint_url=moto_s3.url, cache_size=32 * MiB) as remote:
+        clone = pickle.loads(pickle.dumps(remote))
+        assert clone.read("readme.txt") == remote.read("readme.txt")
+        clone.close()
+
+
+# -- request economy ------------------------------------------------------------------------------
+def test_random_small_members_cost_about_the_bytes_they_need(
+    localbucket_s3, proxy_to, tmp_path: Path
+) -> None:
+    path = _many_small_zip(tmp_path / "small.zip", 20_000)
+    localbucket_s3.put("bench", "small.zip", path)
+    proxy = proxy_to(localbucket_s3)
+    with Archive("s3://bench/small.zip", endpoint_url=proxy.url) as remote, Archive(str(path)) as local:
+        opened = proxy.stats.body_bytes
+        cd_size = _central_directory_size(path)
+        assert opened <= max(cd_size + 64 * 1024, 1 * MiB)
+        proxy.reset_stats()
+        rng = random.Random(1)
+        needed = 0
+        for name in rng.sample(local.files(), 100):
+            assert remote.read(name) == local.read(name)
+            needed += 2048 + 30 + len(name)
+        assert proxy.stats.body_bytes <= 2 * needed
+        assert proxy.stats.requests <= 100 + 3
+
+
+def _central_directory_size(path: Path) -> int:
+    with zipfile.ZipFile(path) as zf:
+        return zf.start_dir and path.stat().st_size - zf.start_dir
+
+
+def test_sequential_read_of_a_large_member_prefetches_in_parallel(
+    localbucket_s3, proxy_to, tmp_path: Path
+) -> None:
+    data = random.Random(3).randbytes(40 * MiB)
+    path = tmp_path / "large.zip"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("small.txt", b"hello")
+        zf.writestr("large.bin", data)
+    localbucket_s3.put("bench", "large.zip", path)
+    proxy = proxy_to(localbucket_s3)
+    with Archive("s3://bench/large.zip", endpoint_url=proxy.url, cache_size=64 * MiB) as remote:
+        proxy.reset_stats()
+        digest = hashlib.sha256()
+        with remote.open("large.bin") as f:
+            while chunk := f.read(1 * MiB):
+                digest.update(chunk)
+        assert digest.digest() == hashlib.sha256(data).digest()
+        stats = remote.source.stats()
+        assert stats["prefetches"] > 0
+        assert proxy.stats.requests < 40  # far fewer requests than 1 MiB reads
+        assert proxy.stats.body_bytes <= len(data) + 2 * MiB  # nothing fetched twice
+        assert remote.cache.held <= remote.cache.limit
+
+
+# -- consistency ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("server", ["moto", "localbucket"])
+def test_object_replaced_after_open_fails_reads_never_mixes_bytes(
+    server: str, moto_s3, localbucket_s3, tmp_path: Path
+) -> None:
+    """moto enforces If-Match (412); localbucket ignores it, so the reply's ETag check must catch it."""
+    ep = moto_s3 if server == "moto" else localbucket_s3
+    old = _small_zip(tmp_path, "old.zip", seed=1, method=zipfile.ZIP_STORED)
+    new = _small_zip(tmp_path, "new.zip", seed=2, method=zipfile.ZIP_STORED)
+    assert old.stat().st_size == new.stat().st_size  # same layout, different bytes
+    ep.put("cons", f"{server}.zip", old)
+    with Archive(f"s3://cons/{server}.zip", endpoint_url=ep.url, retry=FAST_RETRY) as remote:
+        first = remote.read("readme.txt")  # cached in the suffix
+        ep.put("cons", f"{server}.zip", new)
+        with pytest.raises(SourceChangedError, match="changed after it was opened"):
+            remote.read("big/stored.bin")
+        with pytest.raises(SourceChangedError):  # sticky: no further requests either
+            remote.read("big/stored.bin", 100, 10)
+        assert remote.read("readme.txt") == first  # bytes of the version opened, from the cache
+
+
+# -- faults ---------------------------------------------------------------------------------------
+def test_injected_faults_are_retried_with_zero_wrong_bytes(localbucket_s3, proxy_to, tmp_path: Path) -> None:
+    path = _many_small_zip(tmp_path / "faulty.zip", 3000, size=5000, seed=4)
+    localbucket_s3.put("faults", "faulty.zip", path)
+    proxy = proxy_to(localbucket_s3, stall_seconds=1.5)
+    remote = Archive(
+        "s3://faults/faulty.zip",
+        endpoint_url=proxy.url,
+        retry=FAST_RETRY,
+        read_timeout=0.5,
+        open_suffix=64 * 1024,
+        cache_size=16 * MiB,
+    )
+    local = Archive(str(path))
+    try:
+        proxy.inject("503", 2)
+        proxy.inject("stall")
+        proxy.inject("stall_body")
+        proxy.chaos(0.3, ("503", "500", "reset", "truncate"))
+        names = local.files()
+        rng = random.Random(5)
+        for name in rng.sample(names, 150) + names[:400]:
+            assert remote.read(name) == local.read(name), name
+        stats = remote.source.stats()
+        assert proxy.stats.faults >= 20
+        assert stats["retries"] >= 20
+    finally:
+        remote.close()
+        local.close()
+
+
+def test_persistent_failure_gives_source_error_in_bounded_time_then_recovers(
+    localbucket_s3, proxy_to, tmp_path: Path
+) -> None:
+    path = _small_zip(tmp_path, "persist.zip")
+    localbucket_s3.put("faults", "persist.zip", path)
+    proxy = proxy_to(localbucket_s3, stall_seconds=2.0)
+    policy = RetryPolicy(max_attempts=50, base_delay=0.05, max_delay=0.2, deadline=1.5)
+    with (
+        Archive("s3://faults/persist.zip", endpoint_url=proxy.url, retry=policy, read_timeout=0.4) as remote,
+        Archive(str(path)) as local,
+    ):
+        for kind in ("503", "stall"):
+            proxy.inject(kind, 1000)
+            started = time.monotonic()
+            with pytest.raises(SourceError, match="failed after"):
+                remote.read("big/stored.bin", 0, 100)
+            elapsed = time.monotonic() - started
+            # The deadline, plus at most one attempt already under way (connect + read timeouts).
+            assert elapsed < policy.deadline + 0.4 + 1.0, (kind, elapsed)
+            proxy.clear()
+        # Not sticky: the object did not change, the network came back.
+        assert remote.read("big/stored.bin") == local.read("big/stored.bin")
+
+
+# -- tar.zst: the persisted index is keyed by the ETag -------------------------------------------
+def test_tar_zst_on_s3_remount_uses_the_persisted_index(localbucket_s3, proxy_to, tmp_path: Path) -> None:
+    if not shutil.which("zstd") or not shutil.which("tar"):
+        pytest.skip("needs tar and zstd")
+    src = tmp_path / "tree"
+    rng = random.Random(6)
+    for i in range(300):
+        p = src / f"d{i % 7}" / f"f{i:04d}.bin"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(rng.randbytes(rng.randrange(1, 40_000)))
+    tzst = tmp_path / "tree.tar.zst"
+    subprocess.run(["tar", "--zstd", "-cf", str(tzst), "-C", str(src), "."], check=True)
+    localbucket_s3.put("tars", "tree.tar.zst", tzst)
+    index_dir = tmp_path / "index"
+    proxy = proxy_to(localbucket_s3)
+    kw = {"endpoint_url": proxy.url, "index_dir": str(index_dir)}
+    with Archive("s3://tars/tree.tar.zst", **kw) as first:
+        scanned = proxy.stats.body_bytes
+        names = first.files()
+        assert len(names) == 300
+        assert first.read(names[17]) == (src / names[17]).read_bytes()
+    proxy.reset_stats()
+    with Archive("s3://tars/tree.tar.zst", **kw) as second:
+        assert proxy.stats.body_bytes <= 1 * MiB + 4096  # the opening suffix, no scan
+        assert scanned >= tzst.stat().st_size
+        assert second.read(names[123]) == (src / names[123]).read_bytes()
+    # A replaced object has another ETag: its old index is not used.
+    localbucket_s3.put("tars", "tree.tar.zst", _small_zip(tmp_path))
+    with Archive("s3://tars/tree.tar.zst", **kw) as third:
+        assert third.format.name == "zip"

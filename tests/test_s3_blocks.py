@@ -1,0 +1,269 @@
+"""The remote block layer against an in-memory fake remote: exact bytes, few requests, bounded memory."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import pytest
+
+from cdmlfs.cache import ExtentCache
+from cdmlfs.errors import SourceError
+from cdmlfs.sources.blocks import BlockConfig, BlockLayer
+from cdmlfs.sources.readahead import ReadaheadConfig
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+class FakeRemote:
+    """``fetch(start, end)`` over bytes in memory; records requests, concurrency and the cache bound."""
+
+    def __init__(self, data: bytes, latency: float = 0.0, cache: ExtentCache | None = None) -> None:
+        self.data = data
+        self.latency = latency
+        self.cache = cache
+        self.calls: list[tuple[int, int]] = []
+        self.active = 0
+        self.max_active = 0
+        self.bound_violations = 0
+        self.fail: set[int] = set()  # starts that fail once
+        self._lock = threading.Lock()
+
+    def fetch(self, start: int, end: int) -> bytes:
+        with self._lock:
+            self.calls.append((start, end))
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+            if self.cache is not None and self.cache.held + self.cache.reserved > self.cache.limit:
+                self.bound_violations += 1
+            fail = start in self.fail
+            self.fail.discard(start)
+        try:
+            if self.latency:
+                time.sleep(self.latency)
+            if fail:
+                raise SourceError(f"injected failure at {start}")
+            return self.data[start:end]
+        finally:
+            with self._lock:
+                self.active -= 1
+
+    @property
+    def fetched(self) -> int:
+        return sum(e - s for s, e in self.calls)
+
+
+def make(data: bytes, cache_limit: int = 64 * MiB, latency: float = 0.0, **cfg):
+    cache = ExtentCache(cache_limit)
+    remote = FakeRemote(data, latency, cache)
+    ra = cfg.pop("readahead", None)
+    layer = BlockLayer(remote.fetch, len(data), cache, BlockConfig(readahead=ra, **cfg), name="fake")
+    return layer, remote, cache
+
+
+def test_random_reads_return_exact_bytes_under_eviction() -> None:
+    data = random.Random(1).randbytes(8 * MiB)
+    layer, remote, cache = make(data, cache_limit=1 * MiB, part_size=256 * KiB)
+    rng = random.Random(2)
+    for _ in range(400):
+        off = rng.randrange(len(data))
+        n = min(rng.choice([1, 30, 700, 4096, 100_000, 700_000]), len(data) - off)
+        assert layer.read(off, n) == data[off : off + n]
+    assert remote.bound_violations == 0
+    assert cache.held <= cache.limit
+    layer.close()
+
+
+def test_header_probe_then_data_becomes_one_request_per_member() -> None:
+    """ZIP reads a 30-byte local header, then the data behind it: once learned, one GET per member."""
+    rng = random.Random(3)
+    member = 2048 + 30 + 20
+    data = rng.randbytes(50_000 * member)
+    layer, remote, _ = make(data)
+    needed = 0
+    for i in rng.sample(range(50_000), 100):
+        at = i * member
+        assert layer.read(at, 30) == data[at : at + 30]
+        assert layer.read(at + 50, 2048) == data[at + 50 : at + 50 + 2048]
+        needed += member
+    # The first probes fetch the initial expansion (16 KiB); afterwards about one member each.
+    assert len(remote.calls) <= 100 + 5
+    assert remote.fetched <= 2 * needed
+    layer.close()
+
+
+def test_sequential_reads_prefetch_in_growing_windows_without_duplicates() -> None:
+    data = random.Random(4).randbytes(48 * MiB)
+    layer, remote, _ = make(data, part_size=4 * MiB, latency=0.002)
+    chunk = 128 * KiB
+    for off in range(0, len(data), chunk):
+        assert layer.read(off, chunk) == data[off : off + chunk]
+    assert layer.stats.prefetched_bytes >= len(data) // 2
+    assert remote.fetched <= len(data) + 2 * chunk  # nothing fetched twice
+    sizes = [e - s for s, e in remote.calls]
+    assert max(sizes) == 4 * MiB  # the window grew to full parts
+    assert len(remote.calls) < len(data) // chunk // 8  # far fewer requests than reads
+    layer.close()
+
+
+def test_neighbouring_small_members_in_archive_order_are_coalesced() -> None:
+    rng = random.Random(5)
+    member = 3000
+    data = rng.randbytes(2000 * member)
+    layer, remote, _ = make(data)
+    for i in range(2000):
+        at = i * member
+        assert layer.read(at, 30) == data[at : at + 30]
+        assert layer.read(at + 60, member - 60) == data[at + 60 : at + member]
+    assert len(remote.calls) < 2000 // 20  # one request per many members
+    assert remote.fetched <= len(data) + 64 * KiB
+    layer.close()
+
+
+def test_concurrent_readers_of_the_same_bytes_share_one_request() -> None:
+    data = random.Random(6).randbytes(4 * MiB)
+    layer, remote, _ = make(data, latency=0.2)
+    barrier = threading.Barrier(8)
+    results = []
+
+    def reader() -> None:
+        barrier.wait()
+        results.append(layer.read(1 * MiB, 300 * KiB))
+
+    threads = [threading.Thread(target=reader) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [data[1 * MiB : 1 * MiB + 300 * KiB]] * 8
+    assert len(remote.calls) == 1
+    layer.close()
+
+
+def test_large_read_is_split_into_parallel_requests() -> None:
+    data = random.Random(7).randbytes(16 * MiB)
+    layer, remote, _ = make(data, latency=0.05, part_size=8 * MiB, foreground_workers=8)
+    assert layer.read(0, 16 * MiB) == data
+    assert len(remote.calls) >= 8
+    assert remote.max_active >= 4
+    layer.close()
+
+
+def test_failed_prefetch_is_fetched_again_by_the_reader() -> None:
+    data = random.Random(8).randbytes(16 * MiB)
+    ra = ReadaheadConfig(min_window=1 * MiB)
+    layer, remote, _ = make(data, part_size=1 * MiB, readahead=ra)
+    remote.fail = {m * MiB for m in range(2, 16)}  # every prefetch part fails once
+    for off in range(0, len(data), 256 * KiB):
+        assert layer.read(off, 256 * KiB) == data[off : off + 256 * KiB]
+    layer.close()
+
+
+def test_foreground_failure_reaches_the_reader_and_the_next_read_retries() -> None:
+    data = random.Random(9).randbytes(1 * MiB)
+    layer, remote, _ = make(data)
+    remote.fail = {5000}
+    with pytest.raises(SourceError):
+        layer.read(5000, 100)
+    assert layer.read(5000, 100) == data[5000:5100]
+    layer.close()
+
+
+def test_reservation_holders_and_prefetch_never_deadlock_and_stay_bounded() -> None:
+    """Readers that hold decode reservations (like ExtentReader) while reading, next to prefetching scans."""
+    data = random.Random(10).randbytes(64 * MiB)
+    limit = 8 * MiB
+    layer, remote, cache = make(data, cache_limit=limit, latency=0.002, part_size=1 * MiB)
+    errors: list[BaseException] = []
+
+    def decoder(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(60):
+                n = rng.choice([64 * KiB, 1 * MiB, limit // 4])
+                off = rng.randrange(len(data) - n)
+                with cache.reserve(n):
+                    assert layer.read(off, n) == data[off : off + n]
+        except BaseException as exc:
+            errors.append(exc)
+
+    def scanner(start: int) -> None:
+        try:
+            for off in range(start, start + 24 * MiB, 256 * KiB):
+                assert layer.read(off, 256 * KiB) == data[off : off + 256 * KiB]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=decoder, args=(s,)) for s in range(4)]
+    threads += [threading.Thread(target=scanner, args=(s * 32 * MiB,)) for s in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert not errors, errors
+    assert remote.bound_violations == 0
+    assert cache.held + cache.reserved <= limit
+    layer.close()
+
+
+def test_drop_behind_keeps_a_long_scan_from_flushing_the_cache() -> None:
+    data = random.Random(11).randbytes(64 * MiB)
+    layer, _, cache = make(data, cache_limit=32 * MiB, part_size=2 * MiB)
+    cache.put("hot", b"x" * (4 * MiB))
+    for off in range(0, len(data), 1 * MiB):
+        assert layer.read(off, 1 * MiB) == data[off : off + 1 * MiB]
+    assert layer.stats.dropped_behind > 0
+    assert cache.peek("hot") is not None
+    layer.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_reads_with_fresh_pools() -> None:
+    data = random.Random(12).randbytes(32 * MiB)
+    layer, _, _ = make(data, latency=0.001, part_size=1 * MiB)
+    for off in range(0, 8 * MiB, 512 * KiB):  # a sequential stream: prefetches in flight at fork time
+        layer.read(off, 512 * KiB)
+    pid = os.fork()
+    if pid == 0:  # child: must not hang on the parent's dead threads
+        code = 1
+        try:
+            ok = all(layer.read(o, 700 * KiB) == data[o : o + 700 * KiB] for o in range(0, 30 * MiB, 3 * MiB))
+            code = 0 if ok else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("forked child hung")
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert layer.read(9 * MiB, 1000) == data[9 * MiB : 9 * MiB + 1000]  # the parent still works too
+    layer.close()
+
+
+def test_close_fails_waiters_instead_of_hanging() -> None:
+    data = bytes(4 * MiB)
+    layer, _, _ = make(data, latency=0.5)
+    out: list = []
+
+    def reader() -> None:
+        try:
+            out.append(layer.read(0, 1 * MiB))
+        except SourceError as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    time.sleep(0.1)
+    layer.close()
+    t.join(10)
+    assert not t.is_alive()
