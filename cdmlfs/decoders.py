@@ -89,8 +89,18 @@ class _ZlibRawStream(io.RawIOBase):
         return b"".join(out)
 
 
-def _lzma_zip_filters(header: bytes) -> list[dict]:
-    """ZIP method 14: 2-byte version, 2-byte properties size, then LZMA1 properties."""
+# Largest decoder window (LZMA dictionary) we allocate: a member's header chooses it, and the
+# decoder touches up to that much memory outside the cache. Same limit as zstd's default (2**27).
+MAX_WINDOW = 1 << 27
+
+
+def _lzma_zip_filters(header: bytes, size: int | None = None) -> list[dict]:
+    """ZIP method 14: 2-byte version, 2-byte properties size, then LZMA1 properties.
+
+    The dictionary never needs to exceed the member's size (no match reaches
+    further back than the output), so it is cut to that; one still larger than
+    MAX_WINDOW is refused rather than letting a header size our memory.
+    """
     if len(header) < 9:
         raise CorruptMemberError("truncated LZMA header")
     (props_size,) = struct.unpack_from("<H", header, 2)
@@ -102,23 +112,49 @@ def _lzma_zip_filters(header: bytes) -> list[dict]:
     lc, d = d % 9, d // 9
     lp, pb = d % 5, d // 5
     (dict_size,) = struct.unpack_from("<I", header, 5)
+    if size is not None:
+        dict_size = min(dict_size, max(size, 4096))
+    if dict_size > MAX_WINDOW:
+        raise UnsupportedMethodError(
+            f"LZMA dictionary of {dict_size >> 20} MiB exceeds the {MAX_WINDOW >> 20} MiB decoder limit"
+        )
     return [{"id": lzma.FILTER_LZMA1, "lc": lc, "lp": lp, "pb": pb, "dict_size": dict_size}]
 
 
-def open_stream(source: Source, method: int, offset: int, comp_size: int):
-    """A file-like object with bounded ``read(n)`` over member ``method`` data at ``offset``."""
+def open_stream(source: Source, method: int, offset: int, comp_size: int, size: int | None = None):
+    """A file-like object with bounded ``read(n)`` over member ``method`` data at ``offset``.
+
+    ``size`` (the declared uncompressed size) bounds the LZMA dictionary. Decoder
+    set-up failures (bad properties, a window over the limit) are member errors.
+    """
+    try:
+        return _open_stream(source, method, offset, comp_size, size)
+    except (lzma.LZMAError, MemoryError, ValueError, OSError, EOFError) as exc:
+        raise CorruptMemberError(f"cannot start decoding ({exc or type(exc).__name__})") from None
+
+
+def _open_stream(source: Source, method: int, offset: int, comp_size: int, size: int | None):
     if method == DEFLATE:
         return _ZlibRawStream(SourceSlice(source, offset, comp_size))
     if method == BZIP2:
         return bz2.BZ2File(SourceSlice(source, offset, comp_size))
     if method == LZMA:
         header = source.read_at(offset, min(9, comp_size))
-        filters = _lzma_zip_filters(header)
+        filters = _lzma_zip_filters(header, size)
         return lzma.LZMAFile(
             SourceSlice(source, offset + 9, comp_size - 9), format=lzma.FORMAT_RAW, filters=filters
         )
     if method == XZ:
-        return lzma.LZMAFile(SourceSlice(source, offset, comp_size), format=lzma.FORMAT_XZ)
+        import _compression  # LZMAFile cannot pass memlimit; this is the reader it wraps
+
+        raw = _compression.DecompressReader(
+            SourceSlice(source, offset, comp_size),
+            lzma.LZMADecompressor,
+            trailing_error=lzma.LZMAError,
+            format=lzma.FORMAT_XZ,
+            memlimit=MAX_WINDOW + (16 << 20),
+        )
+        return io.BufferedReader(raw)
     if method == ZSTD:
         import zstandard
 

@@ -281,7 +281,7 @@ class ExtentReader:
             ix = self.index
             with self.cache.reserve(total) as room:
                 stream = decoders.open_stream(
-                    self.source, ix.method[eid], self.fmt.data_offset(eid), ix.comp_size[eid]
+                    self.source, ix.method[eid], self.fmt.data_offset(eid), ix.comp_size[eid], total
                 )
                 data = decoders.read_exact(stream, total)
                 if not decoders.at_end(stream):
@@ -323,7 +323,7 @@ class ExtentReader:
                 return chunk
             if fw.stream is None or fw.pos > k * spacing:
                 fw.stream = decoders.open_stream(
-                    self.source, ix.method[eid], self.fmt.data_offset(eid), ix.comp_size[eid]
+                    self.source, ix.method[eid], self.fmt.data_offset(eid), ix.comp_size[eid], total
                 )
                 fw.pos = 0
             while True:
