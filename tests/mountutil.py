@@ -51,6 +51,16 @@ def _kill(pid: int | None) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def alive(pid: int) -> bool:
+    """True while the process runs (a zombie waiting for init to reap it has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
 def read_pid(pid_file: Path) -> int | None:
     try:
         return int(pid_file.read_text().strip())
@@ -85,10 +95,8 @@ def mounted(
     finally:
         force_unmount(mountpoint)
         if pid is not None:
-            for _ in range(100):
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
+            for _ in range(250):
+                if not alive(pid):
                     break
                 time.sleep(0.02)
             else:
