@@ -15,8 +15,10 @@ for arg in "$@"; do
   esac
 done
 
+PY=${PYTHON:-python3}
 APT_PACKAGES=(fuse3 libfuse2 libfuse3-dev pkg-config gcc libdeflate-dev zlib1g-dev libzstd-dev
-              zip unzip zstd python3-venv)
+              zip unzip zstd tar util-linux)
+"$PY" -m venv --help >/dev/null 2>&1 || APT_PACKAGES+=(python3-venv)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -29,7 +31,6 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
-PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
 if [ "$WITH_TORCH" = 1 ]; then
