@@ -249,10 +249,39 @@ class ExtentReader:
                     ix.comp_size[eid],
                     ix.size[eid],
                     ix.crc[eid],
-                    spacing=self.extent_size,
+                    spacing=self._checkpoint_spacing(ix.size[eid]),
                 )
                 self.cache.put(key, ck)
         return ck
+
+    def _checkpoint_spacing(self, size: int) -> int:
+        """Interval length for a huge deflated member, so that its checkpoints fit a quarter of the cache.
+
+        Each checkpoint keeps a 32 KiB window (about 60 KiB in the zlib fallback).
+        At the usual 4 MiB spacing a 10 GiB member (10 MB of zeros in a ZIP) needs
+        80 MiB of them: more than a small cache holds, and a checkpoint index the
+        cache cannot keep is rebuilt, inflating the whole member, on every read.
+        Longer intervals keep it cacheable (a random read then inflates one longer
+        interval); when even intervals of half the cache would not do, the read is
+        refused with a message naming the cache size that would.
+        """
+        from cdmlfs import checkpoints
+
+        window = 32 << 10 if inflate.native_module() is not None else checkpoints.SNAPSHOT_BYTES + (16 << 10)
+        per_point = window + checkpoints.POINT_OVERHEAD + checkpoints.INTERVAL_OVERHEAD + 64
+        limit = self.cache.limit
+        spacing = self.extent_size
+        if -(-size // spacing) * per_point <= limit // 4:
+            return spacing
+        spacing = -(-size * per_point // max(limit // 4, 1))
+        spacing = -(-spacing // (64 << 10)) * (64 << 10)
+        if spacing > limit // 2:
+            need = int((8 * size * per_point) ** 0.5) + (1 << 20)
+            raise MemberError(
+                f"a {size >> 20} MiB deflated member needs a cache of at least {need >> 20} MiB "
+                f"for random access (the cache is {limit >> 20} MiB): mount with a larger --cache-size"
+            )
+        return spacing
 
     def _read_checkpointed(self, eid: int, offset: int, size: int, total: int) -> bytes:
         ck = self._checkpoints(eid)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from fuzz import craft
-from fuzz.harness import MemorySource
+from fuzz.harness import MemorySource, time_limit
 
 from cdmlfs import inflate
 from cdmlfs.archive import Archive
@@ -80,4 +80,50 @@ def test_lzma_dictionary_over_the_limit_is_eio_not_an_allocation() -> None:
     with _open(blob) as ar:
         with pytest.raises(MemberError, match="dictionary"):
             ar.read("big", 0, 4096)
+        assert ar.read("ok") == b"fine"
+
+
+# -- zip bombs ------------------------------------------------------------------------------------
+def test_huge_deflated_member_keeps_its_checkpoints_in_the_cache(tmp_path: Path) -> None:
+    """2 GiB of zeros in 2 MB: checkpoints at 4 MiB spacing (17 MiB) would not fit a 32 MiB cache.
+
+    Before: the checkpoint index was uncacheable and every read inflated all
+    2 GiB again, and RSS grew past the cache. Now intervals are longer, the
+    index is cached, and a second random read costs one interval.
+    """
+    import time
+
+    blob = craft.build_zip([zeros_member("zeros.bin", 2048), craft.member("ok", b"fine")])
+    with _open(blob, tmp_path, cache=32 << 20) as ar:
+        before = _maxrss_mib()
+        with time_limit(60):
+            assert ar.read("zeros.bin", 1 << 30, 4096) == bytes(4096)
+            started = time.monotonic()
+            assert ar.read("zeros.bin", (2 << 30) - 100, 4096) == bytes(100)
+            assert ar.read("zeros.bin", 12345, 10) == bytes(10)
+        assert time.monotonic() - started < 1.0, "the checkpoint index was rebuilt"
+        assert ar.cache.stats.uncacheable == 0
+        assert _maxrss_mib() - before < 32 + 16
+        assert ar.read("ok") == b"fine"
+
+
+def test_deflated_member_too_large_for_the_cache_is_eio_with_the_size_to_use() -> None:
+    blob = craft.build_zip([zeros_member("zeros.bin", 2048), craft.member("ok", b"fine")])
+    with _open(blob, cache=8 << 20) as ar:
+        with time_limit(10), pytest.raises(MemberError, match="--cache-size"):
+            ar.read("zeros.bin", 0, 4096)
+        assert ar.read("ok") == b"fine"
+
+
+def test_declared_size_deflate_cannot_produce_is_eio_before_allocating() -> None:
+    """10 GB declared for 100 bytes of deflate (the ratio limit is 1032): no inflate, no allocation."""
+    m = craft.member("liar", b"x" * 100)
+    m.size = 10 << 30
+    blob = craft.build_zip([m, craft.member("ok", b"fine")], zip64=True)
+    with _open(blob) as ar:
+        assert ar.stat("liar").size == 10 << 30
+        before = _maxrss_mib()
+        with time_limit(10), pytest.raises(MemberError, match="impossible|--cache-size"):
+            ar.read("liar", 0, 4096)
+        assert _maxrss_mib() - before < 8
         assert ar.read("ok") == b"fine"
