@@ -22,7 +22,8 @@ from fuzz.harness import MemorySource, time_limit
 
 from cdmlfs import inflate
 from cdmlfs.archive import Archive
-from cdmlfs.errors import MemberError
+from cdmlfs.errors import ArchiveFormatError, MemberError
+from cdmlfs.formats import tarheader as th
 
 
 def _open(blob: bytes, tmp_path: Path | None = None, cache: int = 64 << 20) -> Archive:
@@ -123,7 +124,58 @@ def test_declared_size_deflate_cannot_produce_is_eio_before_allocating() -> None
     with _open(blob) as ar:
         assert ar.stat("liar").size == 10 << 30
         before = _maxrss_mib()
-        with time_limit(10), pytest.raises(MemberError, match="impossible|--cache-size"):
+        with time_limit(10), pytest.raises(MemberError, match=r"impossible|--cache-size"):
             ar.read("liar", 0, 4096)
         assert _maxrss_mib() - before < 8
         assert ar.read("ok") == b"fine"
+
+
+# -- tar headers that lie -----------------------------------------------------------------------------
+def _tar_block(name: str, typeflag: bytes, size_field: bytes | None = None, size: int = 0) -> bytes:
+    """One ustar header; ``size_field`` replaces the 12-byte size (e.g. base-256), checksum fixed."""
+    blk = bytearray(th.build_header(name, typeflag, size))
+    if size_field is not None:
+        blk[124:136] = size_field
+        blk[148:156] = b" " * 8
+        blk[148:156] = b"%06o\0 " % sum(blk)
+    return bytes(blk)
+
+
+def _base256(value: int) -> bytes:
+    return (value % (1 << 96)).to_bytes(12, "big") if value < 0 else b"\x80" + value.to_bytes(11, "big")
+
+
+def _pax(records: bytes) -> bytes:
+    hdr = th.build_block(b"PaxHeaders/x", 0o644, 0, 0, len(records), 0, th.PAX_LOCAL)
+    return hdr + records + bytes(th.round_up(len(records)) - len(records))
+
+
+FILE_ABC = th.build_header("f", th.REGTYPE, 3) + b"abc" + bytes(509)
+
+
+@pytest.mark.parametrize(
+    ("label", "blob"),
+    [
+        # a negative base-256 size on a type that stores no member moved the scan backwards: endless loop
+        ("negative size, volume header", FILE_ABC + _tar_block("v", b"V", _base256(-512)) + bytes(1024)),
+        ("negative size, file", _tar_block("n", th.REGTYPE, _base256(-512)) + bytes(1024)),
+        ("size of 2**87", FILE_ABC + _tar_block("big", th.REGTYPE, _base256(1 << 87)) + bytes(1024)),
+        ("pax size of 10**30", _pax(th.pax_record("size", b"9" * 30)) + FILE_ABC + bytes(1024)),
+    ],
+)
+def test_tar_with_impossible_member_size_is_refused_at_open(label: str, blob: bytes, tmp_path: Path) -> None:
+    for compressed in (False, True):
+        data = craft.zstd_frame(blob) if compressed else blob
+        with time_limit(10), pytest.raises(ArchiveFormatError, match="size"):
+            _open(data, tmp_path)
+
+
+def test_tar_with_huge_but_representable_size_lists_and_gives_eio(tmp_path: Path) -> None:
+    """2**63-1 bytes declared: the listing ends there; reading past the archive's end is EIO."""
+    blob = FILE_ABC + _tar_block("huge", th.REGTYPE, _base256((1 << 63) - 1)) + bytes(4096)
+    with _open(blob, tmp_path) as ar:
+        assert ar.read("f") == b"abc"
+        assert ar.stat("huge").size == (1 << 63) - 1
+        assert ar.read("huge", 0, 4096) == bytes(4096)  # the bytes that are there
+        with time_limit(10), pytest.raises(MemberError):
+            ar.read("huge", 1 << 40, 4096)

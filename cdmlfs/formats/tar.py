@@ -75,6 +75,7 @@ log = logging.getLogger(__name__)
 EMBEDDED_INDEX_NIBBLE = 0xC  # skippable magic 0x184D2A5C holds a packed archive's member table
 EMBEDDED_INDEX_MAGIC = b"CDMLFS-MEMBERS\x00\x01"
 MAX_META_MEMBER = 16 << 20  # longest pax / GNU long-name payload we accept
+MAX_MEMBER_SIZE = (1 << 63) - 1  # largest off_t: a size beyond it cannot be a file (and wraps in stat)
 STORE_KIND_TAR = "tar/1"
 STORE_KIND_TAR_ZST = "tar.zst/1"
 _NO_DATA_TYPES = frozenset((th.LNKTYPE, th.SYMTYPE, th.CHRTYPE, th.BLKTYPE, th.DIRTYPE, th.FIFOTYPE))
@@ -145,6 +146,10 @@ def scan_tar(view, members: MemberTable) -> int:
                 raise ArchiveFormatError(f"not a tar archive ({exc})") from None
             raise ArchiveFormatError(f"corrupt tar header at offset {pos} of the tar stream: {exc}") from None
         typeflag = h.typeflag
+        if not 0 <= h.size <= MAX_MEMBER_SIZE:
+            # base-256 sizes can be negative or above 2**64: a negative one moved the scan backwards
+            # (an endless loop for types that store no member), a huge one overflowed the size column.
+            raise ArchiveFormatError(f"tar header at offset {pos} declares an impossible size ({h.size})")
         header_end = pos + th.BLOCK
         if h.old_gnu_sparse_extended:  # old GNU sparse maps continue in extra header blocks
             while True:
@@ -229,8 +234,8 @@ def _pax_numbers(attrs: dict[str, bytes], size: int, mtime: float, pos: int) -> 
             mtime = float(attrs["mtime"])
     except ValueError:
         raise ArchiveFormatError(f"corrupt pax size/mtime record for the member at offset {pos}") from None
-    if size < 0:
-        raise ArchiveFormatError(f"negative member size at offset {pos}")
+    if not 0 <= size <= MAX_MEMBER_SIZE:
+        raise ArchiveFormatError(f"impossible member size {size} in the pax header at offset {pos}")
     return size, mtime
 
 
