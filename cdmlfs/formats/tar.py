@@ -125,8 +125,10 @@ def scan_tar(view, members: MemberTable) -> int:
     stats = _ScanStats()
     read = view.read
     append = members.append
+    peeked: bytes | None = None  # the block after a lone zero block, already read: never read it twice
     while True:
-        block = read(pos, th.BLOCK)
+        block = read(pos, th.BLOCK) if peeked is None else peeked
+        peeked = None
         if len(block) < th.BLOCK:
             if pos == 0:
                 raise ArchiveFormatError("not a tar archive (the stream is shorter than one header)")
@@ -138,6 +140,7 @@ def scan_tar(view, members: MemberTable) -> int:
             if not nxt or nxt == th.ZERO_BLOCK[: len(nxt)]:
                 break  # end of archive: two zero blocks (or one and the end of the stream)
             pos += th.BLOCK  # a lone zero block: GNU tar reads on
+            peeked = nxt  # the zstd scan view cannot step back into a frame it has left
             continue
         try:
             h = th.parse_header(block)
