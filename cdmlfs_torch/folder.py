@@ -181,7 +181,19 @@ class ArchiveDatasetFolder(Dataset):
         path, target = self.samples[index]
         if isinstance(self.tree, ArchiveTree):
             self.tree.archive  # noqa: B018 - open this process's handle with this dataset's options
-        sample = self.loader(path)
+            try:
+                sample = self.loader(path)
+            except FileNotFoundError as exc:
+                if exc.filename != path:
+                    raise
+                raise FileNotFoundError(
+                    exc.errno,
+                    f"{exc.strerror}: the loader opened an archive sample path as a local file; "
+                    "loaders must read through cdmlfs_torch.open_sample() or read_sample()",
+                    path,
+                ) from exc
+        else:
+            sample = self.loader(path)
         if self.transform is not None:
             sample = self.transform(sample)
         if self.target_transform is not None:

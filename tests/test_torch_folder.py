@@ -282,6 +282,18 @@ def test_overridden_find_classes_is_used(trees: dict[str, Path]) -> None:
     assert_same_dataset(ours, theirs, str(trees["extracted"]))
 
 
+def test_a_loader_that_opens_local_files_gets_a_hint(trees: dict[str, Path]) -> None:
+    from torchvision.datasets.folder import pil_loader as local_only
+
+    ds = ArchiveImageFolder(f"{trees['zip']}::train", loader=local_only)
+    with pytest.raises(FileNotFoundError, match="open_sample"):
+        ds[0]
+    ok = ArchiveImageFolder(
+        f"{trees['zip']}::train", loader=lambda p: Image.open(cdmlfs_torch.open_sample(p))
+    )
+    assert ok[0][0].size == (W, H)
+
+
 def test_extract_a_bad_sample(trees: dict[str, Path], tmp_path: Path) -> None:
     ds = ArchiveImageFolder(f"{trees['zip']}::train")
     out = ds.extract(0, tmp_path / "inspect")
