@@ -372,6 +372,22 @@ class RawScanView:
             self._progress(self.size, self.size)
 
 
+class _Reporter:
+    """Progress of a scan in compressed bytes, reported every 16 MiB."""
+
+    __slots__ = ("next", "progress", "total")
+
+    def __init__(self, progress: Callable[[int, int], None], total: int) -> None:
+        self.progress = progress
+        self.total = total
+        self.next = 0
+
+    def __call__(self, comp_pos: int) -> None:
+        if comp_pos >= self.next:
+            self.progress(comp_pos, self.total)
+            self.next = comp_pos + (16 << 20)
+
+
 class ZstdScanView:
     """Forward reads of the decoded stream for the header scan.
 
@@ -394,14 +410,12 @@ class ZstdScanView:
         self._buf_pos = 0
         self._scratch = bytearray(SCAN_CHUNK)
         self._progress = progress
-        self._next_report = 0
+        # Not a bound method: the zstd reader (a C object the GC cannot traverse) keeps its source's
+        # callback, and view -> reader -> range -> view was a cycle never freed when a scan stopped
+        # early (every corrupt archive): the view, its 1 MiB scratch buffer and the decoder leaked.
+        self._report = _Reporter(progress, source.size) if progress is not None else None
         self._dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
         self.decoded_frames = 0
-
-    def _report(self, comp_pos: int) -> None:
-        if self._progress is not None and comp_pos >= self._next_report:
-            self._progress(comp_pos, self.source.size)
-            self._next_report = comp_pos + (16 << 20)
 
     def read(self, pos: int, n: int) -> bytes:
         """Up to ``n`` bytes at ``pos`` (fewer only at the end of the stream); ``pos`` never moves back."""
