@@ -300,7 +300,8 @@ class TarFormat:
         try:
             seek_frames = read_seek_table(self.source)
         except ArchiveFormatError as exc:
-            log.warning("%s: %s; locating frames by their headers instead", self.source.identity.location, exc)
+            where = self.source.identity.location
+            log.warning("%s: %s; locating frames by their headers instead", where, exc)
             seek_frames = None
         if seek_frames is not None:
             members = self._embedded_members(seek_frames)
