@@ -43,6 +43,7 @@ NEEDS_LOCAL_HEADER = 2  # ZIP: `offset` is the local header; the data offset is 
 DEFAULT_FILE_MODE = 0o644
 DEFAULT_DIR_MODE = 0o755
 PERMISSION_BITS = 0o777  # setuid, setgid, sticky and device bits are never exposed
+MAX_MTIME = float(1 << 40)  # seconds (year ~36800): far past any real date, exact as a double
 
 
 class EntryStat(NamedTuple):
@@ -287,6 +288,11 @@ class IndexBuilder:
         flags: int = 0,
     ) -> int | None:
         """Add one archive entry; returns its id, or None when the path rules drop it."""
+        if not -MAX_MTIME <= mtime <= MAX_MTIME:
+            # NaN, infinities and times beyond time_t (a pax mtime is any decimal; embedded and
+            # cached tables are raw doubles): stat of the entry, and so listing its directory,
+            # failed with EINVAL (int(nan)), and the C fast path converted them to garbage.
+            mtime = 0.0 if mtime != mtime else (MAX_MTIME if mtime > 0 else -MAX_MTIME)
         path = normalize(name)
         if not path:
             if kind != DIR:

@@ -209,3 +209,19 @@ def test_refused_tar_zst_leaves_nothing_behind(with_progress: bool) -> None:
             Archive(MemorySource(blob), cache_size=1 << 20, progress=progress)
     gc.collect()
     assert not [o for o in gc.get_objects() if isinstance(o, ZstdScanView)]
+
+
+@pytest.mark.parametrize("value", [b"nan", b"inf", b"-inf", b"1e300", b"-1e300"])
+def test_tar_member_with_absurd_pax_mtime_gets_a_representable_one(value: bytes) -> None:
+    """pax mtime=nan made stat raise ValueError (EINVAL for the file and for listing its directory)."""
+    import math
+
+    from cdmlfs.fuse_ops import ArchiveOperations
+
+    blob = FILE_ABC + _pax(th.pax_record("mtime", value)) + th.build_header("g", th.REGTYPE, 0) + bytes(1024)
+    with _open(blob) as ar:
+        mtime = ar.stat("g").mtime
+        assert math.isfinite(mtime) and abs(mtime) < 2**41
+        ops = ArchiveOperations(ar)
+        assert ops.getattr("/g")["st_size"] == 0
+        assert sorted(ops.readdir("/", None)) == [".", "..", "f", "g"]
