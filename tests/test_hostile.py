@@ -225,3 +225,110 @@ def test_tar_member_with_absurd_pax_mtime_gets_a_representable_one(value: bytes)
         ops = ArchiveOperations(ar)
         assert ops.getattr("/g")["st_size"] == 0
         assert sorted(ops.readdir("/", None)) == [".", "..", "f", "g"]
+
+
+# -- ZIPs whose structures lie ---------------------------------------------------------------------
+def test_overlapping_members_share_one_body_and_stay_within_the_cache(tmp_path: Path) -> None:
+    """'Better zip bomb': 3,000 central entries on one 8 MiB deflated body (24 GiB served from 8 KB).
+
+    Each read decodes its own member through the bounded cache; nothing multiplies in memory.
+    """
+    body = zeros_member("x", 8)
+    members = [body] + [
+        craft.ZipMember(f"m{i:04d}".encode(), body.data, 8, body.crc, body.size, offset=0, write_local=False)
+        for i in range(2999)
+    ]
+    blob = craft.build_zip(members)
+    assert len(blob) < 300_000
+    with _open(blob, tmp_path, cache=32 << 20) as ar:
+        assert len(ar.listdir("")) == 3000
+        before = _maxrss_mib()
+        with time_limit(120):
+            for i in range(0, 2999, 7):
+                assert ar.read(f"m{i:04d}", (8 << 20) - 10, 10) == bytes(10)
+        assert _maxrss_mib() - before < 32 + 16
+        assert ar.cache.held <= 32 << 20
+
+
+def test_local_header_lengths_pointing_past_the_end_are_eio(tmp_path: Path) -> None:
+    liar = craft.member("liar", b"data " * 100, local_extra=b"", method=0)
+    liar.local_name = b"n" * 40
+    blob = bytearray(craft.build_zip([craft.member("ok", b"fine"), liar]))
+    # local header of "liar" starts right after ok's: set its extra length to 0xFFFF
+    at = blob.index(b"PK\x03\x04", 4)
+    blob[at + 28 : at + 30] = b"\xff\xff"
+    with _open(bytes(blob), tmp_path) as ar:
+        with pytest.raises(MemberError, match=r"past the end|outside"):
+            ar.read("liar")
+        assert ar.read("ok") == b"fine"
+
+
+@pytest.mark.parametrize("method", [0, 8])
+def test_local_header_lengths_pointing_into_another_member_are_eio(method: int, tmp_path: Path) -> None:
+    """The name length is bumped so the data offset lands inside the next member: CRC says no."""
+    a = craft.member("a", b"first member " * 50, method=method)
+    b = craft.member("b", b"second member " * 50, method=method)
+    blob = bytearray(craft.build_zip([a, b, craft.member("ok", b"fine")]))
+    blob[26:28] = struct.pack("<H", 1 + len(a.data) // 2)  # a's local name length
+    with _open(bytes(blob), tmp_path) as ar:
+        with pytest.raises(MemberError):
+            ar.read("a")
+        assert ar.read("b") == b"second member " * 50
+        assert ar.read("ok") == b"fine"
+
+
+@pytest.mark.parametrize(
+    ("label", "kw", "match"),
+    [
+        ("directory offset past the end", {"cd_offset": 0x7FFFFFFF}, "past"),
+        ("directory size larger than the file", {"cd_size": 1 << 31}, "size exceeds"),
+        ("directory offset past the end (zip64)", {"cd_offset": 1 << 60, "zip64": True}, "past"),
+        ("directory size larger than the file (zip64)", {"cd_size": 1 << 60, "zip64": True}, "size exceeds"),
+    ],
+)
+def test_central_directory_pointing_outside_the_file_is_refused(label, kw, match, tmp_path: Path) -> None:
+    blob = craft.build_zip([craft.member("a", b"abc")], **kw)
+    with time_limit(10), pytest.raises(ArchiveFormatError, match=match):
+        _open(blob, tmp_path)
+
+
+def test_entries_pointing_outside_the_file_are_eio_and_the_rest_reads(tmp_path: Path) -> None:
+    members = [
+        craft.member("ok", b"fine"),
+        craft.member("far", b"x" * 10, offset=1 << 40),
+        craft.member("far64", b"x" * 10, offset=(1 << 63) - 100),
+        craft.member("negative_prefix", b"x" * 10, offset=0xFFFFFFF0),
+    ]
+    blob = craft.build_zip(members)
+    with _open(blob, tmp_path) as ar:
+        for name in ("far", "far64", "negative_prefix"):
+            with pytest.raises(MemberError):
+                ar.read(name)
+        assert ar.read("ok") == b"fine"
+
+
+def test_five_thousand_levels_of_directories(tmp_path: Path) -> None:
+    deep = "/".join(f"d{i}" for i in range(5000)) + "/leaf.txt"
+    blob = craft.build_zip([craft.member(deep, b"bottom"), craft.member("top", b"top")])
+    with _open(blob, tmp_path) as ar:
+        assert ar.read(deep) == b"bottom"
+        assert len(list(ar.walk())) == 5001
+        assert ar.stat("d0").nlink == 3
+
+
+def test_zip64_offsets_and_sizes_beyond_off_t_are_eio_not_a_failed_open(tmp_path: Path) -> None:
+    """ZIP64 fields are unsigned 64-bit: an offset of 2**63 or more overflowed the index's signed offset
+    column (OverflowError at open, so the whole archive failed); sizes that large wrapped in stat."""
+    members = [
+        craft.member("ok", b"fine"),
+        craft.member("offset63", b"x" * 10, offset=(1 << 63) - 1),
+        craft.member("offset64", b"x" * 10, offset=(1 << 64) - 1),
+        craft.member("size64", b"x" * 10, method=0, size=(1 << 64) - 1, comp_size=(1 << 64) - 1),
+    ]
+    blob = craft.build_zip(members, prefix=b"stub" * 4, zip64=True)
+    with _open(blob, tmp_path) as ar:
+        assert ar.stat("size64").size == (1 << 63) - 1
+        for name in ("offset63", "offset64", "size64"):
+            with time_limit(10), pytest.raises(MemberError):
+                ar.read(name, 0, 4096)
+        assert ar.read("ok") == b"fine"

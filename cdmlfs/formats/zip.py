@@ -58,6 +58,7 @@ FLAG_STRONG_ENCRYPTION = 0x40
 FLAG_UTF8 = 0x800
 
 MAX_COMMENT = 0xFFFF
+MAX_SIZE = (1 << 63) - 1  # largest off_t; ZIP64 sizes and offsets are unsigned 64-bit
 CHUNK = 8 << 20  # central directory is parsed in windows of this size: bounded transient memory
 
 
@@ -144,6 +145,7 @@ class ZipFormat:
         self, cd_start: int, cd_size: int, builder: IndexBuilder, progress: Callable[[int, int], None] | None
     ) -> None:
         prefix = self.prefix
+        source_size = self.source.size
         unpack = CDH.unpack_from
         add = builder.add
         dos_cache: dict[int, float] = {}
@@ -202,7 +204,13 @@ class ZipFormat:
             eflags = NEEDS_LOCAL_HEADER
             if flags & (FLAG_ENCRYPTED | FLAG_STRONG_ENCRYPTION) or method == METHOD_AES:
                 eflags |= ENCRYPTED
-            add(name, kind, mode, mtime, usize, method, loff + prefix, csize, crc, eflags)
+            offset = loff + prefix
+            if offset >= source_size:
+                offset = -1  # outside the archive (ZIP64 allows 2**64-1): EIO when read, not a failed mount
+            if usize > MAX_SIZE or csize > MAX_SIZE:  # beyond off_t: stat would wrap to a negative size
+                usize = min(usize, MAX_SIZE)
+                csize = min(csize, MAX_SIZE)
+            add(name, kind, mode, mtime, usize, method, offset, csize, crc, eflags)
             pos += rec_len
             done += rec_len
             count += 1
