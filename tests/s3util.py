@@ -58,8 +58,15 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 import localbucket
 localbucket.S3Handler.data_root = Path(sys.argv[1]).resolve()
-server = ThreadingHTTPServer(("127.0.0.1", 0), localbucket.S3Handler)
-server.daemon_threads = True
+import socket
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    def get_request(self):
+        # localbucket writes headers and body separately: without NODELAY, Nagle + delayed ACK = 40 ms.
+        sock, addr = super().get_request()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock, addr
+server = Server(("127.0.0.1", 0), localbucket.S3Handler)
 threading.Thread(target=server.serve_forever, daemon=True).start()
 print(server.server_address[1], flush=True)
 sys.stdin.read()
@@ -266,6 +273,11 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args) -> None:  # quiet
         pass
 
+    def setup(self) -> None:
+        super().setup()
+        # Headers and body go out in separate writes: without this, Nagle + delayed ACKs add 40 ms.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
     def do_GET(self) -> None:
         self._forward()
 
@@ -274,6 +286,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     def _upstream(self) -> http.client.HTTPConnection:
         if self._conn is None:
             self._conn = http.client.HTTPConnection(*self.owner.upstream, timeout=60)
+            self._conn.connect()
+            self._conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return self._conn
 
     def _forward(self) -> None:

@@ -104,7 +104,9 @@ class StreamTable:
 
     def _match(self, offset: int, length: int) -> Stream | None:
         cfg = self.config
-        gap = max(cfg.forward_gap, length)
+        # Large reads come from kernel readahead, several in flight and delivered out of order by a
+        # multithreaded FUSE loop: a jump of a few reads ahead still belongs to the same stream.
+        gap = max(cfg.forward_gap, 8 * length if length >= cfg.large_read else length)
         best_id = None
         best_dist = None
         for sid, s in self._streams.items():

@@ -42,7 +42,10 @@ from cdmlfs.sources.retry import RetryPolicy
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-OPEN_SUFFIX = 1 * MiB
+# The opening suffix covers what formats read at the end (the ZIP EOCD search window of 64 KiB +
+# 22, ZIP64 records, a zstd seek table of thousands of frames) without fetching much more: a
+# central directory beyond it is fetched next, in parallel parts, in one more round trip.
+OPEN_SUFFIX = 128 * 1024
 HEAD_BYTES = 4096  # what format sniffing reads from the start (cdmlfs.formats.SNIFF_BYTES)
 PRIVATE_CACHE = 64 * MiB  # when no Archive cache is shared (a bare S3Object)
 SDK_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer")

@@ -1,0 +1,346 @@
+#!/usr/bin/env python3
+"""Benchmark S3 reads against a localbucket server on 127.0.0.1 (numbers printed, nothing asserted).
+
+Two measurements on one ZIP object (~1 GiB stored member plus many 2 KiB members):
+
+1. **Random small members**: 100 random 2 KiB members read through a fresh
+   FUSE mount, cdmlfs versus ratarmount's S3 support (fsspec/s3fs) on the same
+   object. Bytes are counted at the endpoint by a counting proxy placed between
+   the client and localbucket; mount (index) bytes and time are reported apart
+   from the 100 reads. Target: bytes requested <= 2x bytes needed + the central
+   directory.
+2. **Sequential read of the 1 GiB member**: cdmlfs (Python API and FUSE mount)
+   versus raw boto3 parallel range GETs of the same byte range, direct to
+   localbucket. Target: cdmlfs >= 80% of raw throughput.
+
+Rounds alternate between contenders (the machine is shared and small); medians
+are reported, and every ratio compares figures measured in this run.
+
+    .venv/bin/python scripts/bench_s3.py [--rounds 3] [--ratarmount /path/to/ratarmount]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+from mountutil import force_unmount, is_mounted, mounted  # noqa: E402
+from s3util import DUMMY_ENV, FaultProxy, dummy_credentials, start_localbucket  # noqa: E402
+
+MiB = 1 << 20
+BUCKET = "bench"
+KEY = "data.zip"
+BIG = "big/blob.bin"
+
+
+# -- data ------------------------------------------------------------------------------------------
+def build_zip(path: Path, big_bytes: int, small_count: int, small_size: int) -> None:
+    """Stored members: ``small_count`` random members of ``small_size`` bytes, then one big member."""
+    if path.exists():
+        return
+    print(
+        f"building {path} ({big_bytes / 2**30:.2f} GiB member + {small_count} x {small_size} B) ...",
+        flush=True,
+    )
+    tmp = path.with_suffix(".tmp")
+    rng = random.Random(0)
+    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for i in range(small_count):
+            zf.writestr(f"small/d{i // 1000:03d}/m{i:06d}.bin", rng.randbytes(small_size))
+        info = zipfile.ZipInfo(BIG, date_time=(2024, 1, 1, 0, 0, 0))
+        with zf.open(info, "w", force_zip64=True) as w:
+            left = big_bytes
+            while left:
+                n = min(8 * MiB, left)
+                w.write(os.urandom(n))
+                left -= n
+    tmp.rename(path)
+
+
+def zip_layout(path: Path) -> tuple[list[zipfile.ZipInfo], int, int, int]:
+    """(small members, central directory size, big member data offset, big member size)."""
+    with zipfile.ZipFile(path) as zf:
+        infos = zf.infolist()
+        cd_size = path.stat().st_size - zf.start_dir
+        big = zf.getinfo(BIG)
+    with open(path, "rb") as f:
+        f.seek(big.header_offset + 26)
+        nlen, xlen = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+    data_at = big.header_offset + 30 + nlen + xlen
+    return [i for i in infos if i.filename != BIG], cd_size, data_at, big.file_size
+
+
+# -- random members through FUSE mounts ------------------------------------------------------------
+def read_members(mnt: Path, names: list[str]) -> tuple[float, int]:
+    started = time.perf_counter()
+    total = 0
+    for name in names:
+        with open(mnt / name, "rb") as f:
+            total += len(f.read())
+    return time.perf_counter() - started, total
+
+
+def cdmlfs_random(proxy: FaultProxy, names: list[str], work: Path) -> dict:
+    proxy.reset_stats()
+    mnt = work / "mnt-cdmlfs"
+    started = time.perf_counter()
+    with mounted(f"s3://{BUCKET}/{KEY}", mnt, "--endpoint-url", proxy.url, log_file=work / "cdmlfs.log"):
+        mount_s = time.perf_counter() - started
+        mount_bytes, mount_reqs = proxy.stats.body_bytes, proxy.stats.requests
+        proxy.reset_stats()
+        read_s, got = read_members(mnt, names)
+        read_bytes, read_reqs = proxy.stats.body_bytes, proxy.stats.requests
+    return {"mount_s": mount_s, "mount_bytes": mount_bytes, "mount_requests": mount_reqs,
+            "read_s": read_s, "read_bytes": read_bytes, "read_requests": read_reqs, "got": got}  # fmt: skip
+
+
+def ratarmount_random(ratarmount: str, proxy: FaultProxy, names: list[str], work: Path) -> dict:
+    proxy.reset_stats()
+    mnt = work / "mnt-ratarmount"
+    mnt.mkdir(exist_ok=True)
+    index_dir = work / "ratarmount-index"
+    shutil.rmtree(index_dir, ignore_errors=True)
+    index_dir.mkdir()
+    env = {**os.environ, **DUMMY_ENV, "FSSPEC_S3_ENDPOINT_URL": proxy.url}
+    log = open(work / "ratarmount.log", "ab")  # noqa: SIM115 (closed below)
+    started = time.perf_counter()
+    proc = subprocess.Popen(
+        [ratarmount, "-f", "--index-folders", str(index_dir), f"s3://{BUCKET}/{KEY}", str(mnt)],
+        env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        while not is_mounted(mnt):
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"ratarmount exited with {proc.returncode} (see {work / 'ratarmount.log'})"
+                )
+            if time.perf_counter() - started > 900:
+                raise RuntimeError("ratarmount did not mount within 900 s")
+            time.sleep(0.05)
+        while True:  # mounted once the root lists
+            try:
+                os.listdir(mnt)
+                break
+            except OSError:
+                time.sleep(0.05)
+        mount_s = time.perf_counter() - started
+        mount_bytes, mount_reqs = proxy.stats.body_bytes, proxy.stats.requests
+        proxy.reset_stats()
+        read_s, got = read_members(mnt, names)
+        read_bytes, read_reqs = proxy.stats.body_bytes, proxy.stats.requests
+    finally:
+        force_unmount(mnt)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+    return {"mount_s": mount_s, "mount_bytes": mount_bytes, "mount_requests": mount_reqs,
+            "read_s": read_s, "read_bytes": read_bytes, "read_requests": read_reqs, "got": got}  # fmt: skip
+
+
+# -- sequential ------------------------------------------------------------------------------------
+def raw_boto3(url: str, start: int, size: int, workers: int, part: int) -> float:
+    import boto3
+    from botocore.config import Config
+
+    config = Config(
+        s3={"addressing_style": "path"}, max_pool_connections=workers, retries={"total_max_attempts": 1}
+    )
+    client = boto3.client("s3", endpoint_url=url, config=config)
+    client.head_object(Bucket=BUCKET, Key=KEY)  # connection and credentials outside the timing
+
+    def get(off: int) -> int:
+        end = min(off + part, start + size) - 1
+        body = client.get_object(Bucket=BUCKET, Key=KEY, Range=f"bytes={off}-{end}")["Body"]
+        return len(body.read())
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(workers) as pool:
+        got = sum(pool.map(get, range(start, start + size, part)))
+    elapsed = time.perf_counter() - started
+    assert got == size, (got, size)
+    return elapsed
+
+
+def cdmlfs_api(url: str, size: int, chunk: int = 1 * MiB) -> float:
+    from cdmlfs.archive import Archive
+
+    with Archive(f"s3://{BUCKET}/{KEY}", endpoint_url=url) as archive:
+        started = time.perf_counter()
+        got = 0
+        with archive.open(BIG) as f:
+            buf = bytearray(chunk)
+            while n := f.readinto(buf):
+                got += n
+        elapsed = time.perf_counter() - started
+    assert got == size, (got, size)
+    return elapsed
+
+
+def cdmlfs_fuse(url: str, size: int, work: Path, chunk: int = 1 * MiB) -> float:
+    with mounted(
+        f"s3://{BUCKET}/{KEY}", work / "mnt-seq", "--endpoint-url", url, log_file=work / "seq.log"
+    ) as mnt:
+        started = time.perf_counter()
+        got = 0
+        fd = os.open(mnt / BIG, os.O_RDONLY)
+        try:
+            while n := len(os.read(fd, chunk)):
+                got += n
+        finally:
+            os.close(fd)
+        elapsed = time.perf_counter() - started
+    assert got == size, (got, size)
+    return elapsed
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "cdmlfs-bench-s3")
+    ap.add_argument("--big-mib", type=int, default=1024, help="size of the big member (default 1024 MiB)")
+    ap.add_argument("--small", type=int, default=50_000, help="number of 2 KiB members (default 50000)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--members", type=int, default=100, help="random members read per round")
+    ap.add_argument("--ratarmount", default="/tmp/bench-venvs/ratarmount/bin/ratarmount")
+    ap.add_argument("--skip", choices=("random", "sequential"), action="append", default=[])
+    args = ap.parse_args()
+    work: Path = args.workdir
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / "data.zip"
+    build_zip(data, args.big_mib * MiB, args.small, 2048)
+    smalls, cd_size, big_at, big_size = zip_layout(data)
+    print(f"object: {data.stat().st_size / 2**30:.2f} GiB, {len(smalls) + 1} members, "
+          f"central directory {cd_size / MiB:.1f} MiB", flush=True)  # fmt: skip
+
+    with dummy_credentials():
+        server = start_localbucket(work / "localbucket")
+        try:
+            server.put(BUCKET, KEY, data)  # a hard link: no copy
+            subprocess.run(
+                ["cat", str(data)], stdout=subprocess.DEVNULL, check=True
+            )  # page cache, like S3's RAM
+            server.client().head_object(Bucket=BUCKET, Key=KEY)  # localbucket computes the MD5 ETag once
+            if "random" not in args.skip:
+                bench_random(args, server, smalls, cd_size, work)
+            if "sequential" not in args.skip:
+                bench_sequential(args, server, big_at, big_size, work)
+        finally:
+            server.stop()
+    return 0
+
+
+def bench_random(args, server, smalls, cd_size: int, work: Path) -> None:
+    rng = random.Random(42)
+    have_ratarmount = os.path.exists(args.ratarmount)
+    results: dict[str, list[dict]] = {"cdmlfs": [], "ratarmount": []}
+    print(f"\n== {args.members} random 2 KiB members through a fresh FUSE mount, {args.rounds} rounds ==")
+    for r in range(args.rounds):
+        picks = rng.sample(smalls, args.members)
+        names = [i.filename for i in picks]
+        needed = sum(30 + len(i.filename.encode()) + i.compress_size for i in picks)
+        order = ["cdmlfs", "ratarmount"] if r % 2 == 0 else ["ratarmount", "cdmlfs"]
+        for who in order:
+            if who == "ratarmount" and not have_ratarmount:
+                continue
+            proxy = FaultProxy(server.url)
+            try:
+                if who == "cdmlfs":
+                    res = cdmlfs_random(proxy, names, work)
+                else:
+                    res = ratarmount_random(args.ratarmount, proxy, names, work)
+            except Exception as exc:
+                print(f"  round {r + 1} {who}: FAILED: {exc}")
+                continue
+            finally:
+                proxy.close()
+            res["needed"] = needed
+            results[who].append(res)
+            print(
+                f"  round {r + 1} {who:10s}: mount {res['mount_s']:6.2f} s"
+                f" / {res['mount_bytes'] / MiB:8.2f} MiB"
+                f" in {res['mount_requests']} GETs; reads {res['read_s']:6.3f} s"
+                f" / {res['read_bytes'] / 1024:9.1f} KiB in {res['read_requests']} GETs"
+                f" (needed {needed / 1024:.1f} KiB)",
+                flush=True,
+            )
+    print(f"  central directory: {cd_size / 1024:.1f} KiB")
+    for who, rows in results.items():
+        if not rows:
+            continue
+        rb = median([x["read_bytes"] for x in rows])
+        nd = median([x["needed"] for x in rows])
+        total = median([x["read_bytes"] + x["mount_bytes"] for x in rows])
+        print(f"  {who:10s} median: reads {median([x['read_s'] for x in rows]):.3f} s, "
+              f"{rb / 1024:.1f} KiB requested = {rb / nd:.2f}x needed; with mount {total / MiB:.2f} MiB "
+              f"(target <= 2x needed + CD = {(2 * nd + cd_size) / MiB:.2f} MiB); mount "
+              f"{median([x['mount_s'] for x in rows]):.2f} s", flush=True)  # fmt: skip
+    if results["cdmlfs"] and results["ratarmount"]:
+        c, t = results["cdmlfs"], results["ratarmount"]
+
+        def med(rows: list[dict], *keys: str) -> float:
+            return median([sum(x[k] for k in keys) for x in rows])
+
+        time_ratio = med(t, "read_s") / med(c, "read_s")
+        bytes_ratio = med(t, "read_bytes", "mount_bytes") / med(c, "read_bytes", "mount_bytes")
+        print(
+            f"  ratio ratarmount/cdmlfs: read time {time_ratio:.1f}x,"
+            f" bytes (mount + reads) {bytes_ratio:.1f}x"
+        )
+
+
+def bench_sequential(args, server, big_at: int, big_size: int, work: Path) -> None:
+    print(
+        f"\n== sequential read of the {big_size / 2**30:.2f} GiB member, {args.rounds} rounds"
+        " (direct to the endpoint, no proxy) =="
+    )
+    times: dict[str, list[float]] = {
+        "raw boto3 8x8MiB": [],
+        "raw boto3 16x8MiB": [],
+        "cdmlfs API": [],
+        "cdmlfs FUSE": [],
+    }
+    for r in range(args.rounds):
+        runs = list(times)
+        if r % 2:
+            runs.reverse()
+        for name in runs:
+            if name.startswith("raw"):
+                workers = 8 if "8x" in name else 16
+                t = raw_boto3(server.url, big_at, big_size, workers, 8 * MiB)
+            elif name == "cdmlfs API":
+                t = cdmlfs_api(server.url, big_size)
+            else:
+                t = cdmlfs_fuse(server.url, big_size, work)
+            times[name].append(t)
+            print(f"  round {r + 1} {name:18s} {t:6.2f} s  {big_size / t / MiB:7.1f} MiB/s", flush=True)
+    med = {k: median(v) for k, v in times.items()}
+    best_raw = min(med["raw boto3 8x8MiB"], med["raw boto3 16x8MiB"])
+    for name, t in med.items():
+        print(f"  {name:18s} median {t:6.2f} s  {big_size / t / MiB:7.1f} MiB/s  "
+              f"= {best_raw / t * 100:5.1f}% of the best raw")  # fmt: skip
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
