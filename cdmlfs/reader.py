@@ -95,7 +95,7 @@ class ExtentReader:
         self.stream: ContainerStream | None = getattr(fmt, "stream", None)
         if self.stream is not None and hasattr(self.stream, "bound_extents"):
             # A container extent (a whole zstd frame) is reserved in one piece: it must fit this cache.
-            self.stream.bound_extents(self.whole_limit, self.extent_size)
+            self.stream.bound_extents(self.whole_limit, self.extent_size, cache)
         self.bytes_from_source = 0
 
     # -- public --------------------------------------------------------------

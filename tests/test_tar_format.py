@@ -199,6 +199,34 @@ def test_single_frame_warns_once_and_archive_order_is_one_pass(
     assert ar.cache.held <= 1 << 20
 
 
+def test_sequential_reads_decode_the_next_extent_ahead_within_the_cache_bound(
+    tmp_path: Path, many_files: Path
+) -> None:
+    archive = _single_frame(tmp_path, many_files)
+    with Archive(str(archive), cache_size=1 << 20, index_dir=str(tmp_path)) as ar:
+        stream = ar.format.stream
+        piece = stream.piece
+        assert stream.frames.dec_size[0] > 3 * piece
+        ix = ar.index
+        by_piece: dict[int, str] = {}
+        for name in ar.archive_order():
+            eid = ix.lookup(name)
+            k = ix.offset[eid] // piece
+            if (ix.offset[eid] + ix.size[eid] - 1) // piece == k:
+                by_piece.setdefault(k, name)
+        for k in (0, 1):  # the reader moves from piece 0 to piece 1 ...
+            assert ar.read(by_piece[k]) == (many_files / by_piece[k]).read_bytes()
+        deadline = time.monotonic() + 10
+        while ar.cache.peek(("zp", 0, 2, piece)) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stream.prefetched == 1  # ... so piece 2 was decoded ahead, through a reservation
+        assert stream.restarts == 1
+        before = stream.restarts
+        assert ar.read(by_piece[2]) == (many_files / by_piece[2]).read_bytes()
+        assert stream.restarts == before
+        assert ar.cache.held + ar.cache.reserved <= 1 << 20
+
+
 def test_frames_without_content_size_and_seek_tables_with_checksums(tmp_path: Path, many_files: Path) -> None:
     """A hand-made seekable file: frames without content size, a skippable frame, a checksummed table."""
     plain = gnu_tar(tmp_path / "a.tar", many_files, "pax").read_bytes()

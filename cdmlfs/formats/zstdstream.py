@@ -14,6 +14,11 @@ Tar members live at offsets of one byte stream: the file itself for a plain
   read behind the decoder restarts it at the frame's start. Such a frame's
   checksum is verified when its last piece is decoded.
 
+A reader that moves from one extent to the next (archive order, read-all of a
+packed archive) gets the following extent decoded ahead by a background
+thread, through a cache reservation like any other decode (``CDMLFS_PREFETCH=0``
+turns it off); random reads never trigger it.
+
 The scan views (:class:`RawScanView`, :class:`ZstdScanView`) are forward-only
 readers used once, to build the tar index. The zstd one decodes frame by frame
 with bounded reads, learns the size of frames whose header does not give it,
@@ -23,8 +28,11 @@ and skips frames of known size that hold only member data.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import io
 import logging
+import os
+import queue
 import threading
 from array import array
 from collections import OrderedDict
@@ -32,7 +40,8 @@ from collections.abc import Callable, Hashable
 
 import zstandard
 
-from cdmlfs.errors import ArchiveFormatError, CorruptMemberError
+from cdmlfs.cache import ExtentCache
+from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, SourceError
 from cdmlfs.sources.base import Source
 from cdmlfs.zstd_seekable import Frame, parse_frame_header
 
@@ -43,6 +52,9 @@ DEFAULT_WHOLE_MAX = 16 << 20
 DEFAULT_PIECE = 4 << 20
 MAX_CURSORS = 4  # forward decoders kept alive (each holds a window of up to 128 MiB... usually 2-8 MiB)
 SCAN_CHUNK = 1 << 20
+# Extents decoded ahead of a sequential reader (each reserved in the cache); CDMLFS_PREFETCH=0 disables.
+PREFETCH_DEPTH = int(os.environ.get("CDMLFS_PREFETCH", "1"))
+SCRATCH_MAX = 8 << 20  # frames compressed to more than this are read into fresh buffers
 MAX_WINDOW = 1 << 27  # same default limit as the zstd CLI (windowLog 27); larger needs --long archives
 
 
@@ -68,16 +80,21 @@ class _SourceRange(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buf) -> int:  # type: ignore[override]
-        n = min(len(buf), self._end - self._pos)
+    def read(self, size: int = -1) -> bytes:
+        """What zstandard's stream reader calls: one source read, no intermediate buffer copies."""
+        n = self._end - self._pos if size < 0 else min(size, self._end - self._pos)
         if n <= 0:
-            return 0
+            return b""
         data = self._source.read_at(self._pos, n)
-        buf[:n] = data
         self._pos += n
         if self._on_read is not None:
             self._on_read(self._pos)
-        return n
+        return data
+
+    def readinto(self, buf) -> int:  # type: ignore[override]
+        data = self.read(len(buf))
+        buf[: len(data)] = data
+        return len(data)
 
 
 # -- frame table -----------------------------------------------------------------
@@ -196,20 +213,33 @@ class ZstdStream:
         self.total = frames.total
         self.whole_max = DEFAULT_WHOLE_MAX
         self.piece = DEFAULT_PIECE
+        self._fd = source.fileno() if hasattr(source, "fileno") else None
+        self._cache: ExtentCache | None = None
+        self._reset_process_state()
+        self.frame_decodes = 0  # whole frames decoded (for stats and tests)
+        self.restarts = 0  # forward decoders started at a frame's beginning
+        self.prefetched = 0  # extents decoded ahead of the reader
+
+    def _reset_process_state(self) -> None:
+        """Locks, decoders and the prefetch thread belong to one process (a fork starts afresh)."""
+        self._pid = os.getpid()
         self._local = threading.local()
         self._cursors: OrderedDict[int, _Cursor] = OrderedDict()
         self._lock = threading.Lock()
-        self.frame_decodes = 0  # whole frames decoded (for stats and tests)
-        self.restarts = 0  # forward decoders started at a frame's beginning
+        self._queue: queue.Queue[Hashable] = queue.Queue(maxsize=PREFETCH_DEPTH)
+        self._worker: threading.Thread | None = None
+        self._seen: Hashable | None = None
 
-    def bound_extents(self, whole_max: int, piece: int) -> None:
+    def bound_extents(self, whole_max: int, piece: int, cache: ExtentCache | None = None) -> None:
         """Called once by the reader: one decode must fit its cache budget.
 
         Frames above ``whole_max`` are served piece by piece from a forward
         decoder; that is when random reads get slow, so that is when we warn.
+        With the ``cache``, extents are decoded ahead of a sequential reader.
         """
         self.whole_max = max(whole_max, piece)
         self.piece = piece
+        self._cache = cache
         big = [s for s in self.frames.dec_size if s > self.whole_max]
         if big:
             log.warning(
@@ -245,13 +275,88 @@ class ZstdStream:
                     out.append((("zp", i, k, piece), start + k * piece, min(piece, length - k * piece)))
                     k += 1
             i += 1
+        if self._cache is not None and out and PREFETCH_DEPTH:
+            self._note_position(out[-1][0])
         return out
 
+    # -- decoding ahead of a sequential reader ---------------------------------------
+    def _note_position(self, key: Hashable) -> None:
+        """The reader moved to ``key``; if it came from the extent before, decode the next one now.
+
+        Reading in archive order (a single-frame archive's only fast pattern, and
+        read-all of a packed one) then overlaps decoding with serving; random
+        reads never trigger it. The prefetch commits through a cache reservation,
+        so the memory bound holds.
+        """
+        prev = self._seen
+        if key == prev:
+            return
+        self._seen = key
+        if prev is None or self._next_key(prev) != key:
+            return
+        nxt = self._next_key(key)
+        if nxt is None or self._cache.peek(nxt) is not None:  # type: ignore[union-attr]
+            return
+        if self._pid != os.getpid():
+            self._reset_process_state()
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._prefetch_loop, name="cdmlfs-prefetch", daemon=True)
+            self._worker.start()
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(nxt)
+
+    def _first_key(self, i: int) -> Hashable:
+        return ("zf", i) if self.frames.dec_size[i] <= self.whole_max else ("zp", i, 0, self.piece)
+
+    def _next_key(self, key: Hashable) -> Hashable | None:
+        if key[0] == "zp":  # type: ignore[index]
+            _, i, k, piece = key  # type: ignore[misc]
+            if (k + 1) * piece < self.frames.dec_size[i]:
+                return ("zp", i, k + 1, piece)
+        else:
+            i = key[1]  # type: ignore[index]
+        return self._first_key(i + 1) if i + 1 < len(self.frames) else None
+
+    def _extent_length(self, key: Hashable) -> int:
+        if key[0] == "zf":  # type: ignore[index]
+            return self.frames.dec_size[key[1]]  # type: ignore[index]
+        _, i, k, piece = key  # type: ignore[misc]
+        return min(piece, self.frames.dec_size[i] - k * piece)
+
+    def _prefetch_loop(self) -> None:
+        while True:
+            key = self._queue.get()
+            try:
+                self._prefetch(key)
+            except Exception as exc:  # the reader meets (and reports) the same error when it gets there
+                log.debug("prefetch of %r failed: %s", key, exc)
+
+    def _prefetch(self, key: Hashable) -> None:
+        cache = self._cache
+        if cache is None or cache.peek(key) is not None:
+            return
+        length = self._extent_length(key)
+        with cache.reserve(length) as room:  # reserve before any decoder lock: never wait holding one
+            if cache.peek(key) is not None:
+                return
+            if key[0] == "zf":  # type: ignore[index]
+                data = self._decode_frame(key[1])  # type: ignore[index]
+            else:
+                _, i, k, piece = key  # type: ignore[misc]
+                data = self._decode_piece(i, k, piece, prefetching=True)
+            if data is not None and len(data) == length:
+                room.commit(key, data)
+                self.prefetched += 1
+
     def decode(self, key: Hashable) -> bytes:
+        if self._pid != os.getpid():
+            self._reset_process_state()
         if key[0] == "zf":  # type: ignore[index]
             return self._decode_frame(key[1])  # type: ignore[index]
         _, i, k, piece = key  # type: ignore[misc]
-        return self._decode_piece(i, k, piece)
+        data = self._decode_piece(i, k, piece)
+        assert data is not None
+        return data
 
     # -- whole frames ------------------------------------------------------------
     def _dctx(self) -> zstandard.ZstdDecompressor:
@@ -260,10 +365,31 @@ class ZstdStream:
             dctx = self._local.dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
         return dctx
 
+    def _read_compressed(self, offset: int, length: int) -> bytes | memoryview:
+        """A frame's compressed bytes. From a local file they land in a reused per-thread buffer:
+        a fresh multi-MiB ``bytes`` per decode costs as much in page faults as the copy itself."""
+        fd = self._fd
+        if fd is None or length > SCRATCH_MAX:
+            return self.source.read_at(offset, length)
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or len(buf) < length:
+            buf = self._local.scratch = bytearray(max(length, 1 << 20))
+        view = memoryview(buf)[:length]
+        got = 0
+        while got < length:
+            try:
+                n = os.preadv(fd, [view[got:]], offset + got)
+            except OSError as exc:
+                raise SourceError(f"read failed at offset {offset + got}: {exc.strerror}") from exc
+            if n <= 0:
+                raise SourceError(f"archive is shorter than its index says (offset {offset + got})")
+            got += n
+        return view
+
     def _decode_frame(self, i: int) -> bytes:
         fr = self.frames
         where = f"zstd frame #{i} at offset {fr.comp_offset[i]}"
-        comp = self.source.read_at(fr.comp_offset[i], fr.comp_size[i])
+        comp = self._read_compressed(fr.comp_offset[i], fr.comp_size[i])
         expected = fr.dec_size[i]
         try:
             header = parse_frame_header(comp, fr.comp_offset[i])
@@ -294,7 +420,7 @@ class ZstdStream:
                 self._cursors.move_to_end(i)
             return cur
 
-    def _decode_piece(self, i: int, k: int, piece: int) -> bytes:
+    def _decode_piece(self, i: int, k: int, piece: int, prefetching: bool = False) -> bytes | None:
         fr = self.frames
         where = f"zstd frame #{i} at offset {fr.comp_offset[i]}"
         frame_size = fr.dec_size[i]
@@ -302,6 +428,12 @@ class ZstdStream:
         length = min(piece, frame_size - target)
         cur = self._cursor(i)
         with cur.lock:
+            if self._cache is not None:
+                done = self._cache.peek(("zp", i, k, piece))
+                if done is not None:  # decoded ahead while we waited for the decoder
+                    return None if prefetching else done
+            if prefetching and (cur.reader is None or cur.pos != target):
+                return None  # only ever continue a decoder exactly where it stands
             try:
                 if cur.reader is None or cur.pos > target:
                     dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
