@@ -77,6 +77,18 @@ def test_random_reads_return_exact_bytes_under_eviction() -> None:
     layer.close()
 
 
+def test_read_into_fills_a_buffer_with_the_same_bytes() -> None:
+    data = random.Random(13).randbytes(6 * MiB)
+    layer, _, _ = make(data, part_size=1 * MiB)
+    rng = random.Random(14)
+    for _ in range(100):
+        off = rng.randrange(len(data))
+        buf = bytearray(min(rng.choice([1, 999, 300_000, 2 * MiB]), len(data) - off))
+        assert layer.read_into(off, buf) == len(buf)
+        assert bytes(buf) == data[off : off + len(buf)]
+    layer.close()
+
+
 def test_header_probe_then_data_becomes_one_request_per_member() -> None:
     """ZIP reads a 30-byte local header, then the data behind it: once learned, one GET per member."""
     rng = random.Random(3)

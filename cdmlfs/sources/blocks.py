@@ -139,6 +139,22 @@ class BlockLayer:
         """Exactly ``length`` bytes at ``offset`` (the caller checked the bounds)."""
         if length <= 0:
             return b""
+        return _assemble(self._pieces(offset, length), offset, offset + length)
+
+    def read_into(self, offset: int, out) -> int:
+        """Fill the writable buffer ``out`` with the bytes at ``offset``; returns ``len(out)``.
+
+        The copy goes straight from the cached spans into ``out`` (a FUSE reply
+        buffer, say): no intermediate ``bytes`` object, so no allocation of the
+        read's size per call.
+        """
+        out = memoryview(out).cast("B")
+        length = len(out)
+        if length:
+            _copy_into(self._pieces(offset, length), offset, out)
+        return length
+
+    def _pieces(self, offset: int, length: int) -> list[tuple[int, bytes]]:
         if self._closed:
             raise SourceError(f"{self.name}: source is closed")
         self.stats.reads += 1
@@ -149,10 +165,10 @@ class BlockLayer:
         self._submit(own)
         if ahead is not None:  # queue the prefetch before waiting: it overlaps with our own requests
             self._prefetch(ahead[0], ahead[1], stream)
-        data = self._collect(offset, offset + length, pieces, own, waits)
+        pieces = self._collect(offset, offset + length, pieces, own, waits)
         if stream.prefetched:
             self._drop_behind(stream)
-        return data
+        return pieces
 
     def seed(self, start: int, data: bytes) -> None:
         """Insert bytes fetched elsewhere (the suffix read when the object was opened)."""
@@ -187,8 +203,8 @@ class BlockLayer:
 
     def _collect(
         self, offset: int, end: int, pieces: list, own: list[_Span], waits: list[_Span], retry: bool = True
-    ) -> bytes:
-        """Wait for our requests and the ones we share, then cut [offset, end) out of the pieces."""
+    ) -> list[tuple[int, bytes]]:
+        """Wait for our requests and the ones we share: all pieces that cover [offset, end)."""
         for span in own:
             pieces.append((span.start, span.future.result()))  # type: ignore[union-attr]
         for span in waits:
@@ -201,7 +217,7 @@ class BlockLayer:
                 pieces, own, waits = self._plan(offset, end, 0)
                 self._submit(own)
                 return self._collect(offset, end, pieces, own, waits, retry=False)
-        return _assemble(pieces, offset, end)
+        return pieces
 
     def _plan(self, offset: int, end: int, expand: int) -> tuple[list, list[_Span], list[_Span]]:
         """Under the lock: what is cached, what is in flight, and register fetches for the rest."""
@@ -450,6 +466,21 @@ def _settle(span: _Span, data: bytes | None = None, exc: BaseException | None = 
             fut.set_result(data)
     except InvalidStateError:
         pass
+
+
+def _copy_into(pieces: list[tuple[int, bytes]], offset: int, out: memoryview) -> None:
+    """Copy [offset, offset + len(out)) out of the covering pieces into ``out``."""
+    end = offset + len(out)
+    filled = 0
+    for start, data in sorted(pieces, key=lambda p: p[0]):
+        lo = max(offset - start, 0)
+        hi = min(end - start, len(data))
+        if hi > lo:
+            at = start + lo - offset
+            out[at : at + hi - lo] = memoryview(data)[lo:hi]
+            filled += hi - lo
+    if filled != len(out):
+        raise SourceError(f"internal error: filled {filled} bytes instead of {len(out)}")
 
 
 def _assemble(pieces: list[tuple[int, bytes]], offset: int, end: int) -> bytes:

@@ -185,6 +185,15 @@ class S3Object:
             )
         return self._blocks.read(offset, length)
 
+    def read_into(self, offset: int, out) -> int:
+        """Optional fast path: ``read_at(offset, len(out))`` copied straight into a writable buffer."""
+        n = memoryview(out).nbytes
+        if offset < 0 or offset + n > self.size:
+            raise SourceError(
+                f"{self.location}: read of {n} bytes at {offset} is outside the object ({self.size} bytes)"
+            )
+        return self._blocks.read_into(offset, out)
+
     def fileno(self) -> int | None:
         return None
 
