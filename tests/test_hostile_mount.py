@@ -1,0 +1,281 @@
+"""Hostile archives on real mounts: the daemon stays inside its memory bound and answers EIO, or the
+mount is refused with one line — never a crash, a hang (every read here has a timeout) or a leak.
+
+Memory is the daemon's VmHWM (peak RSS) minus its RSS right after mounting:
+cache + what is in flight + a small constant. The archives are built byte by
+byte (tests/fuzz/craft.py), so each lies exactly where the test says.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+from fuzz import craft
+from mountutil import daemon_pid, hwm_kib, is_mounted, mounted, rss_kib, run_cli
+from test_hostile import FILE_ABC, _base256, _pax, _tar_block, zeros_member
+
+from cdmlfs.formats import tarheader as th
+
+pytestmark = pytest.mark.fuse
+
+READER = r"""
+import os, sys
+path, offset, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+try:
+    fd = os.open(path, os.O_RDONLY)
+    data = os.pread(fd, size, offset)
+    sys.stdout.buffer.write(b"OK" + data)
+except OSError as exc:
+    sys.stdout.write(f"ERR{exc.errno}")
+"""
+
+
+def read_bounded(path: Path, offset: int = 0, size: int = 4096, timeout: float = 60) -> bytes | int:
+    """pread in a child process (a read stuck in the kernel cannot wedge the test); bytes or errno."""
+    res = subprocess.run(
+        [sys.executable, "-c", READER, str(path), str(offset), str(size)],
+        capture_output=True,
+        timeout=timeout,
+    )
+    out = res.stdout
+    if out.startswith(b"OK"):
+        return out[2:]
+    assert out.startswith(b"ERR"), (out, res.stderr)
+    return int(out[3:])
+
+
+def _growth_mib(pid: int, base_kib: int) -> float:
+    return (hwm_kib(pid) - base_kib) / 1024
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ten_gib_zip_bomb_is_served_within_the_cache_bound(tmp_path: Path, mnt: Path) -> None:
+    """10 GiB of zeros in a 10 MB ZIP, 64 MiB cache: reads anywhere, RSS stays ~cache; no rebuild per read."""
+    archive = tmp_path / "bomb.zip"
+    archive.write_bytes(craft.build_zip([zeros_member("zeros.bin", 10 << 10), craft.member("ok", b"fine")]))
+    with mounted(archive, mnt, "--cache-size", "64M"):
+        pid = daemon_pid(mnt)
+        base = rss_kib(pid)
+        assert os.stat(mnt / "zeros.bin").st_size == 10 << 30
+        started = time.monotonic()
+        assert read_bounded(mnt / "zeros.bin", 5 << 30, 4096, timeout=120) == bytes(4096)
+        first = time.monotonic() - started
+        started = time.monotonic()
+        for off in (1 << 20, 7 << 30, (10 << 30) - 4096):
+            assert read_bounded(mnt / "zeros.bin", off, 4096) == bytes(4096)
+        later = (time.monotonic() - started) / 3
+        assert read_bounded(mnt / "ok") == b"fine"
+        growth = _growth_mib(pid, base)
+        stats = json.loads(run_cli("stats", "--json", str(mnt), check=True).stdout)
+    print(f"10 GiB bomb: first read {first:.1f}s, later reads {later * 1000:.0f} ms, VmHWM +{growth:.0f} MiB")
+    assert growth < 64 + 48, f"daemon grew {growth:.0f} MiB with a 64 MiB cache"
+    assert later < max(1.0, first / 4), "the checkpoint index was rebuilt for a later read"
+    assert stats["cache"]["held"] <= 64 << 20
+
+
+def test_bomb_too_large_for_a_small_cache_is_eio_and_logged(tmp_path: Path, mnt: Path) -> None:
+    archive = tmp_path / "bomb.zip"
+    archive.write_bytes(craft.build_zip([zeros_member("zeros.bin", 4096), craft.member("ok", b"fine")]))
+    log = tmp_path / "daemon.log"
+    with mounted(archive, mnt, "--cache-size", "16M", log_file=log):
+        pid = daemon_pid(mnt)
+        assert read_bounded(mnt / "zeros.bin", 0, 4096, timeout=30) == errno.EIO
+        assert read_bounded(mnt / "ok") == b"fine"
+        assert _alive(pid)
+    assert "--cache-size" in log.read_text()
+
+
+def test_overlapping_members_on_a_mount_stay_within_the_cache(tmp_path: Path, mnt: Path) -> None:
+    body = zeros_member("x", 6)
+    members = [body] + [
+        craft.ZipMember(f"m{i:04d}".encode(), body.data, 8, body.crc, body.size, offset=0, write_local=False)
+        for i in range(1999)
+    ]
+    archive = tmp_path / "overlap.zip"
+    archive.write_bytes(craft.build_zip(members))
+    with mounted(archive, mnt, "--cache-size", "32M", "--threads", "multi"):
+        pid = daemon_pid(mnt)
+        base = rss_kib(pid)
+        script = (
+            "import sys\n"
+            "for i in range(int(sys.argv[2]), 1999, 50):\n"
+            "    with open(f'{sys.argv[1]}/m{i:04d}', 'rb') as f:\n"
+            "        assert f.read() == bytes(6 << 20)\n"
+        )
+        procs = [subprocess.Popen([sys.executable, "-c", script, str(mnt), str(k)]) for k in range(4)]
+        assert [p.wait(timeout=120) for p in procs] == [0, 0, 0, 0]
+        growth = _growth_mib(pid, base)
+    print(f"overlapping members: VmHWM +{growth:.0f} MiB with a 32 MiB cache")
+    assert growth < 32 + 48
+
+
+@pytest.mark.parametrize("fastpath", ["1", "0"], ids=["c-fast-path", "python-path"])
+def test_lying_local_headers_are_eio_on_both_paths(
+    fastpath: str, tmp_path: Path, mnt: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("CDMLFS_FASTPATH", fastpath)
+    good = {f"g{i}": zlib.compress(bytes([i]) * 999)[:50] * 3 for i in range(5)}
+    members = [craft.member(n, d, method=8 if i % 2 else 0) for i, (n, d) in enumerate(good.items())]
+    into = craft.member("into_next", b"lands in the next member " * 40)
+    past = craft.member("past_end", b"p" * 3000, method=0)
+    far = craft.member("far_offset", b"f" * 10, offset=(1 << 40))
+    blob = bytearray(craft.build_zip([*members, into, craft.member("after", b"after " * 100), past, far]))
+    at = blob.index(b"into_next") - 30
+    blob[at + 26 : at + 28] = struct.pack("<H", 9 + 200)  # name length reaches into "after"
+    at = blob.index(b"past_end") - 30
+    blob[at + 28 : at + 30] = b"\xff\xff"  # extra length: data would start past the end
+    archive = tmp_path / "liar.zip"
+    archive.write_bytes(bytes(blob))
+    with mounted(archive, mnt):
+        pid = daemon_pid(mnt)
+        for name in ("into_next", "past_end", "far_offset"):
+            assert read_bounded(mnt / name, 0, 1 << 16) == errno.EIO, name
+        for name, data in good.items():
+            assert read_bounded(mnt / name, 0, 1 << 16) == data
+        assert read_bounded(mnt / "after", 0, 1 << 16) == b"after " * 100
+        assert _alive(pid)
+
+
+def test_five_thousand_levels_deep_mount(tmp_path: Path, mnt: Path) -> None:
+    """Walked with directory fds (a path this long is past PATH_MAX for plain syscalls)."""
+    depth = 5000
+    deep = "/".join(f"d{i}" for i in range(depth)) + "/leaf.txt"
+    archive = tmp_path / "deep.zip"
+    archive.write_bytes(craft.build_zip([craft.member(deep, b"bottom"), craft.member("top", b"top")]))
+    with mounted(archive, mnt):
+        pid = daemon_pid(mnt)
+        levels = 0
+        leaf = None
+        fd = os.open(mnt, os.O_RDONLY | os.O_DIRECTORY)
+        while fd >= 0:  # iterative: os.fwalk recurses once per level (RecursionError at ~1000)
+            levels += 1
+            names = os.listdir(fd)
+            nxt = -1
+            for name in names:
+                child = os.open(name, os.O_RDONLY, dir_fd=fd)
+                if os.path.isdir(f"/proc/self/fd/{child}"):
+                    nxt = child
+                else:
+                    if name == "leaf.txt":
+                        leaf = os.read(child, 100)
+                    os.close(child)
+            os.close(fd)
+            fd = nxt
+        assert levels == depth + 1 and leaf == b"bottom"
+        assert (mnt / "top").read_bytes() == b"top"
+        with pytest.raises(OSError) as e:
+            os.stat(str(mnt) + "/" + deep)
+        assert e.value.errno == errno.ENAMETOOLONG  # the kernel's limit, not ours
+        assert _alive(pid)
+
+
+def test_tar_with_absurd_sizes_and_times_on_a_mount(tmp_path: Path, mnt: Path) -> None:
+    archive = tmp_path / "liar.tar"
+    archive.write_bytes(
+        FILE_ABC
+        + _pax(th.pax_record("mtime", b"nan"))
+        + th.build_header("nan_mtime", th.REGTYPE, 0)
+        + _tar_block("huge", th.REGTYPE, _base256((1 << 63) - 1))
+        + bytes(4096)
+    )
+    with mounted(archive, mnt, "--index-dir", str(tmp_path / "idx")):
+        pid = daemon_pid(mnt)
+        assert sorted(os.listdir(mnt)) == ["f", "huge", "nan_mtime"]  # was EINVAL for the whole listing
+        assert os.stat(mnt / "huge").st_size == (1 << 63) - 1
+        assert read_bounded(mnt / "huge", 1 << 40, 4096) == errno.EIO
+        assert read_bounded(mnt / "f") == b"abc"
+        assert _alive(pid)
+
+
+@pytest.mark.parametrize(
+    "kind", ["negative tar size", "pax header of 8 GiB", "zstd frame declaring 1 TiB", "not an archive"]
+)
+def test_hostile_archive_refused_at_mount_with_one_line(kind: str, tmp_path: Path, mnt: Path) -> None:
+    if kind == "negative tar size":
+        blob = FILE_ABC + _tar_block("v", b"V", _base256(-512)) + bytes(1024)
+        name = "a.tar"
+    elif kind == "pax header of 8 GiB":
+        blob = th.build_block(b"PaxHeaders/x", 0o644, 0, 0, (1 << 33) - 1, 0, th.PAX_LOCAL) + bytes(4096)
+        name = "a.tar"
+    elif kind == "zstd frame declaring 1 TiB":
+        tar = FILE_ABC + bytes(1024)
+        block = struct.pack("<I", (len(tar) << 3) | 1)[:3] + tar  # one raw, last block
+        blob = b"\x28\xb5\x2f\xfd" + bytes([0xC0, 0x50]) + struct.pack("<Q", 1 << 40) + block
+        name = "a.tar.zst"
+    else:
+        blob = os.urandom(100_000)
+        name = "a.zip"
+    archive = tmp_path / name
+    archive.write_bytes(blob)
+    started = time.monotonic()
+    res = run_cli("mount", str(archive), str(mnt), "--index-dir", str(tmp_path / "idx"), timeout=60)
+    assert time.monotonic() - started < 30
+    err = res.stderr.decode().strip()
+    assert res.returncode != 0 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert not is_mounted(mnt)
+
+
+@pytest.mark.slow
+def test_a_million_tiny_entries(tmp_path: Path, mnt: Path) -> None:
+    """1,000,000 one-byte stored members: mount time, index memory, listing and random stats."""
+    n = 1_000_000
+    archive = tmp_path / "million.zip"
+    _write_many_entries(archive, n)
+    started = time.monotonic()
+    with mounted(archive, mnt, "--cache-size", "16M"):
+        mount_s = time.monotonic() - started
+        pid = daemon_pid(mnt)
+        rss = rss_kib(pid) / 1024
+        stats = json.loads(run_cli("stats", "--json", str(mnt), check=True).stdout)
+        top = os.listdir(mnt)
+        assert len(top) == 1000
+        assert len(os.listdir(mnt / "d0417")) == 1000
+        for i in (0, 123_457, 999_999):
+            assert (mnt / f"d{i // 1000:04d}" / f"f{i:07d}").read_bytes() == bytes([i % 251])
+        hwm = hwm_kib(pid) / 1024
+    print(
+        f"{n} entries: archive {archive.stat().st_size >> 20} MiB, mount {mount_s:.1f}s, "
+        f"daemon RSS {rss:.0f} MiB (peak {hwm:.0f}), index ~{stats['index_bytes'] >> 20} MiB"
+    )
+    assert stats["entries"] == n + 1000
+    assert mount_s < 120
+    assert rss < 600, "index memory for 1M entries"
+
+
+def _write_many_entries(path: Path, n: int) -> None:
+    """A stored ZIP of ``n`` one-byte members in 1,000 directories, written fast (no zipfile)."""
+    lfh = struct.Struct("<IHHHHHIIIHH")
+    cdh = struct.Struct("<IHHHHHHIIIHHHHHII")
+    local = bytearray()
+    central = bytearray()
+    crcs = [zlib.crc32(bytes([b])) for b in range(251)]
+    for i in range(n):
+        name = b"d%04d/f%07d" % (i // 1000, i)
+        b = i % 251
+        off = len(local)
+        local += lfh.pack(0x04034B50, 10, 0, 0, 0, 0x21, crcs[b], 1, 1, len(name), 0) + name + bytes([b])
+        central += cdh.pack(0x02014B50, 0x031E, 10, 0, 0, 0, 0x21, crcs[b], 1, 1, len(name), 0, 0, 0, 0,
+                            0o100644 << 16, off) + name  # fmt: skip
+    z64 = struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, len(central), len(local))
+    loc = struct.pack("<IIQI", 0x07064B50, 0, len(local) + len(central), 1)
+    eocd = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, len(central), len(local), 0)
+    with open(path, "wb") as f:
+        f.write(local)
+        f.write(central)
+        f.write(z64 + loc + eocd)
