@@ -44,8 +44,6 @@ class TarHeaderError(ValueError):
 class RawHeader(NamedTuple):
     name: bytes  # prefix/name already joined for POSIX ustar
     mode: int
-    uid: int
-    gid: int
     size: int
     mtime: int
     typeflag: bytes
@@ -64,12 +62,12 @@ def _cstr(field: bytes) -> bytes:
 
 def parse_number(field: bytes) -> int:
     """Octal (NUL/space padded) or GNU base-256 (high bit of the first byte set)."""
-    if field and field[0] & 0x80:
+    if field[0] & 0x80:
         value = int.from_bytes(field[1:], "big")
         if field[0] == 0xFF:  # negative: two's complement over the whole field
             value = int.from_bytes(field, "big") - (1 << (8 * len(field)))
         return value
-    text = _cstr(field).strip(b" \0")
+    text = field.split(b"\0", 1)[0].strip()
     if not text:
         return 0
     try:
@@ -118,8 +116,6 @@ def parse_header(block: bytes) -> RawHeader:
     return RawHeader(
         name=name,
         mode=parse_number(block[100:108]),
-        uid=parse_number(block[108:116]),
-        gid=parse_number(block[116:124]),
         size=parse_number(block[124:136]),
         mtime=parse_number(block[136:148]),
         typeflag=typeflag,

@@ -551,6 +551,9 @@ class ZstdScanView:
 
     def read(self, pos: int, n: int) -> bytes:
         """Up to ``n`` bytes at ``pos`` (fewer only at the end of the stream); ``pos`` never moves back."""
+        i = pos - self._buf_pos
+        if i >= 0 and i + n <= len(self._buf):  # the common case: a header inside the current chunk
+            return self._buf[i : i + n]
         out = []
         while n > 0:
             end = self._buf_pos + len(self._buf)
