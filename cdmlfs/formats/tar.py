@@ -81,6 +81,8 @@ STORE_KIND_TAR_ZST = "tar.zst/1"
 _NO_DATA_TYPES = frozenset((th.LNKTYPE, th.SYMTYPE, th.CHRTYPE, th.BLKTYPE, th.DIRTYPE, th.FIFOTYPE))
 _META_TYPES = frozenset((th.PAX_LOCAL, th.SOLARIS_PAX, th.PAX_GLOBAL, th.GNU_LONGNAME, th.GNU_LONGLINK))
 _PER_MEMBER_ONLY = frozenset(("path", "linkpath", "size"))
+MAX_MEMBER_SIZE = 1 << 62  # base-256 fields can say more; no stream is that long
+MAX_MTIME = float(1 << 40)  # ~36,000 years: beyond that (or NaN) the mtime is shown as 0
 
 
 # -- sniffing ----------------------------------------------------------------------
@@ -191,6 +193,10 @@ def scan_tar(view, members: MemberTable) -> int:
         mtime: float = h.mtime
         if attrs:
             size, mtime = _pax_numbers(attrs, size, mtime, pos)
+        if not 0 <= size <= MAX_MEMBER_SIZE:
+            raise ArchiveFormatError(f"tar header at offset {pos} gives an impossible size ({size})")
+        if not -MAX_MTIME <= mtime <= MAX_MTIME:  # also catches NaN: a timestamp must fit a stat field
+            mtime = 0.0
         raw_name = attrs.get("path") or long_name or h.name
         raw_link = attrs.get("linkpath") or long_link or h.linkname
         name = th.decode_name(raw_name)
@@ -375,7 +381,7 @@ class TarFormat:
             members = MemberTable.decode(memoryview(payload)[8 + n :])
             if members.stream_size != frames.total or members.data_end() > frames.total:
                 raise ValueError("member table and frame table disagree")
-        except (ValueError, struct.error) as exc:
+        except (ValueError, struct.error, ArchiveFormatError) as exc:
             log.info("ignoring cached index: %s; rescanning", exc)
             return None
         return members, frames

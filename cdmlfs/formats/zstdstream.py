@@ -54,6 +54,7 @@ MAX_CURSORS = 4  # forward decoders kept alive (each holds a window of up to 128
 SCAN_CHUNK = 1 << 20
 # Extents decoded ahead of a sequential reader (each reserved in the cache); CDMLFS_PREFETCH=0 disables.
 PREFETCH_DEPTH = int(os.environ.get("CDMLFS_PREFETCH", "1"))
+MAX_STREAM = 1 << 62
 SCRATCH_MAX = 8 << 20  # frames compressed to more than this are read into fresh buffers
 MAX_WINDOW = 1 << 27  # same default limit as the zstd CLI (windowLog 27); larger needs --long archives
 
@@ -116,6 +117,8 @@ class FrameTable:
     def add(self, comp_offset: int, comp_size: int, dec_size: int) -> None:
         if dec_size == 0:
             return
+        if self.total + dec_size > MAX_STREAM:
+            raise ArchiveFormatError("zstd frames claim more than 2**62 decoded bytes")
         self.comp_offset.append(comp_offset)
         self.comp_size.append(comp_size)
         self.dec_offset.append(self.total)
@@ -389,8 +392,11 @@ class ZstdStream:
     def _decode_frame(self, i: int) -> bytes:
         fr = self.frames
         where = f"zstd frame #{i} at offset {fr.comp_offset[i]}"
-        comp = self._read_compressed(fr.comp_offset[i], fr.comp_size[i])
         expected = fr.dec_size[i]
+        if fr.comp_size[i] > expected + (expected >> 7) + (1 << 17):
+            # zstd never expands data this much: a lying table must not make us read gigabytes
+            raise CorruptMemberError(f"{where} is {fr.comp_size[i]} bytes for {expected} decoded bytes")
+        comp = self._read_compressed(fr.comp_offset[i], fr.comp_size[i])
         try:
             header = parse_frame_header(comp, fr.comp_offset[i])
         except ValueError as exc:
