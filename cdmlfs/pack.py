@@ -440,14 +440,15 @@ def pack(
         raise UsageError("--frame-size must be between 4K and 1G")
     if os.path.lexists(out) and not force:
         raise UsageError(f"{out}: already exists (use --force to overwrite)")
-    if not os.path.exists(src):
+    remote = "://" in src  # an archive URI (s3://...): opened like any archive
+    if not remote and not os.path.exists(src):
         raise UsageError(f"{src}: no such file or directory")
-    if os.path.exists(out) and os.path.samefile(src, out):
+    if not remote and os.path.exists(out) and os.path.samefile(src, out):
         raise UsageError("the output would overwrite the source")
     threads = max(1, threads or os.cpu_count() or 1)
     archive = None
     try:
-        if os.path.isdir(src):
+        if not remote and os.path.isdir(src):
             entries = entries_from_directory(src)
         else:
             from cdmlfs.archive import Archive

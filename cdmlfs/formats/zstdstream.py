@@ -14,10 +14,11 @@ Tar members live at offsets of one byte stream: the file itself for a plain
   read behind the decoder restarts it at the frame's start. Such a frame's
   checksum is verified when its last piece is decoded.
 
-A reader that moves from one extent to the next (archive order, read-all of a
-packed archive) gets the following extent decoded ahead by a background
-thread, through a cache reservation like any other decode (``CDMLFS_PREFETCH=0``
-turns it off); random reads never trigger it.
+With ``CDMLFS_PREFETCH=1``, a reader that moves from one extent to the next
+(archive order, read-all of a packed archive) gets the following extent decoded
+ahead by a background thread, through a cache reservation like any other
+decode; random reads never trigger it. It is off by default: it only pays when
+a core is idle (see ``PREFETCH_DEPTH``).
 
 The scan views (:class:`RawScanView`, :class:`ZstdScanView`) are forward-only
 readers used once, to build the tar index. The zstd one decodes frame by frame
@@ -52,8 +53,10 @@ DEFAULT_WHOLE_MAX = 16 << 20
 DEFAULT_PIECE = 4 << 20
 MAX_CURSORS = 4  # forward decoders kept alive (each holds a window of up to 128 MiB... usually 2-8 MiB)
 SCAN_CHUNK = 1 << 20
-# Extents decoded ahead of a sequential reader (each reserved in the cache); CDMLFS_PREFETCH=0 disables.
-PREFETCH_DEPTH = int(os.environ.get("CDMLFS_PREFETCH", "1"))
+# Extents decoded ahead of a sequential reader (each reserved in the cache). Off unless
+# CDMLFS_PREFETCH=1: on the 2-core reference machine, busy with other work, it measured no gain
+# (archive-order MB/s, 8 alternating rounds); it needs an idle core to overlap decoding with serving.
+PREFETCH_DEPTH = int(os.environ.get("CDMLFS_PREFETCH", "0"))
 MAX_STREAM = 1 << 62
 SCRATCH_MAX = 8 << 20  # frames compressed to more than this are read into fresh buffers
 MAX_WINDOW = 1 << 27  # same default limit as the zstd CLI (windowLog 27); larger needs --long archives
@@ -229,7 +232,7 @@ class ZstdStream:
         self._local = threading.local()
         self._cursors: OrderedDict[int, _Cursor] = OrderedDict()
         self._lock = threading.Lock()
-        self._queue: queue.Queue[Hashable] = queue.Queue(maxsize=PREFETCH_DEPTH)
+        self._queue: queue.Queue[Hashable] = queue.Queue(maxsize=max(1, PREFETCH_DEPTH))
         self._worker: threading.Thread | None = None
         self._seen: Hashable | None = None
 
