@@ -239,8 +239,9 @@ def test_persistent_failure_gives_source_error_in_bounded_time_then_recovers(
             with pytest.raises(SourceError, match="failed after"):
                 remote.read("big/stored.bin", 0, 100)
             elapsed = time.monotonic() - started
-            # The deadline, plus at most one attempt already under way (connect + read timeouts).
-            assert elapsed < policy.deadline + 0.4 + 1.0, (kind, elapsed)
+            # The deadline, plus at most one attempt already under way (its read timeout), plus slack
+            # for a loaded machine; unbounded retrying would take 50 attempts (> 20 s).
+            assert elapsed < policy.deadline + 0.4 + 2.0, (kind, elapsed)
             proxy.clear()
         # Not sticky: the object did not change, the network came back.
         assert remote.read("big/stored.bin") == local.read("big/stored.bin")

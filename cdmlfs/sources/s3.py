@@ -161,9 +161,7 @@ class S3Object:
         head = _Background(self._head, HEAD_BYTES)  # format sniffing reads the first bytes: same round trip
         self.size, self.etag, tail_start, tail = self._open(open_suffix)
         self.identity = SourceIdentity(self.location, self.size, _etag(self.etag))
-        owned = cache is None
         self._cache = cache if cache is not None else ExtentCache(PRIVATE_CACHE)
-        self._owns_cache = owned
         workers = max(1, max_connections // 2)
         config = BlockConfig(
             part_size=part_size, foreground_workers=workers, prefetch_workers=max_connections - workers
