@@ -1,0 +1,330 @@
+#!/usr/bin/env python3
+"""Benchmark tar.zst serving: cdmlfs vs ratarmount, and archive-order reading vs ``zstd -dc | tar -x``.
+
+What it measures (all through real FUSE mounts, archives warm in the page cache):
+
+1. **random member reads** — a shuffled epoch (every member once, in the same
+   random order for every tool; ``--random N`` reads only the first N), each
+   file opened and read whole from a fresh mount: per-read latency (median,
+   p90) and files/s. For cdmlfs, the reads that are the first to touch their
+   zstd frame are reported separately: each costs exactly one frame decode.
+   The decoded data (~420 MB) fits cdmlfs's default 512 MiB cache; a run with
+   a 64 MiB cache (first 2,000 reads of the epoch) shows the cost once frames
+   get evicted.
+2. **read-all** — walk the mount and read every file (fresh mount): files/s, MB/s.
+   Tools: cdmlfs and ratarmount on the same seekable 4 MiB-frame archive written
+   by ``cdmlfs pack``, and on a ``pzstd`` archive of the same tar.
+3. **archive order from a single-frame tar.zst** (what ``tar --zstd`` writes):
+   cdmlfs reading every member in ``Archive.archive_order()`` through the mount
+   versus ``zstd -dc | tar -x`` into tmpfs (/dev/shm).
+
+The machine is shared and small: tools alternate round by round and the
+figures are medians over rounds; ratios are against baselines measured in the
+same run. Nothing here asserts a time: it prints figures.
+
+    .venv/bin/python scripts/bench_tar.py [--files 20000] [--rounds 3] [--random 1000]
+
+ratarmount is installed with pip into its own venv (``--ratarmount-venv``,
+default /tmp/bench-venvs/ratarmount) when missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+PY = sys.executable
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- dataset -------------------------------------------------------------------------------
+def make_tar(path: Path, n_files: int, seed: int = 0) -> tuple[int, int]:
+    """A tar of ``n_files`` members like an image/text dataset: half incompressible, half text."""
+    rng = random.Random(seed)
+    words = [b"alpha", b"beta", b"gamma", b"delta", b"tensor", b"batch", b"epoch", b"loss", b"grad", b"zip"]
+    pool = bytearray()
+    while len(pool) < 4 << 20:
+        pool += rng.choice(words) + (b"\n" if rng.random() < 0.1 else b" ")
+    pool = bytes(pool)
+    total = 0
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
+        for i in range(n_files):
+            size = int(min(max(rng.lognormvariate(9.6, 0.8), 1024), 256 << 10))  # median ~15 KB
+            if i % 2:
+                data = rng.randbytes(size)  # "jpeg"
+                name = f"class{i % 100:03d}/img{i:06d}.jpg"
+            else:
+                start = rng.randrange(0, len(pool) - size)
+                data = pool[start : start + size]
+                name = f"class{i % 100:03d}/txt{i:06d}.txt"
+            info = tarfile.TarInfo(name)
+            info.size = size
+            info.mtime = 1_600_000_000
+            tf.addfile(info, io.BytesIO(data))
+            total += size
+    return n_files, total
+
+
+# -- mounts ---------------------------------------------------------------------------------
+def is_mounted(path: Path) -> bool:
+    target = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == target for line in f)
+
+
+def unmount(path: Path) -> None:
+    for _ in range(50):
+        if not is_mounted(path):
+            return
+        subprocess.run(["fusermount3", "-u", str(path)], capture_output=True)
+        time.sleep(0.05)
+    subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True)
+
+
+class Mount:
+    def __init__(self, cmd: list[str], mnt: Path) -> None:
+        self.cmd = cmd
+        self.mnt = mnt
+
+    def __enter__(self) -> Path:
+        self.mnt.mkdir(parents=True, exist_ok=True)
+        unmount(self.mnt)
+        res = subprocess.run(self.cmd, capture_output=True, text=True)
+        if res.returncode != 0 or not is_mounted(self.mnt):
+            raise RuntimeError(f"mount failed: {' '.join(self.cmd)}\n{res.stderr}")
+        return self.mnt
+
+    def __exit__(self, *exc: object) -> None:
+        unmount(self.mnt)
+        time.sleep(0.2)  # let the daemon exit before the next tool starts
+
+
+def cdmlfs_mount(archive: Path, mnt: Path, index_dir: Path, *extra: str) -> Mount:
+    cmd = [PY, "-m", "cdmlfs", "mount", str(archive), str(mnt), "--index-dir", str(index_dir), *extra]
+    return Mount(cmd, mnt)
+
+
+def ratarmount_mount(ratarmount: Path, archive: Path, mnt: Path, index_dir: Path) -> Mount:
+    return Mount([str(ratarmount), "--index-folders", str(index_dir), str(archive), str(mnt)], mnt)
+
+
+def ensure_ratarmount(venv: Path) -> Path | None:
+    exe = venv / "bin" / "ratarmount"
+    if exe.exists():
+        return exe
+    log(f"installing ratarmount into {venv} ...")
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "ratarmount"], check=True)
+    except (subprocess.CalledProcessError, OSError) as exc:
+        log(f"ratarmount unavailable ({exc}): skipping its baselines")
+        return None
+    return exe
+
+
+# -- measurements -------------------------------------------------------------------------------
+def read_file(path: Path) -> int:
+    with open(path, "rb", buffering=0) as f:
+        n = 0
+        while chunk := f.read(1 << 20):
+            n += len(chunk)
+        return n
+
+
+def random_reads(mnt: Path, sample: list[str]) -> list[float]:
+    times = []
+    for name in sample:
+        t = time.perf_counter()
+        read_file(mnt / name)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def read_all(mnt: Path) -> tuple[int, int, float]:
+    t = time.perf_counter()
+    files = total = 0
+    for dirpath, _, filenames in os.walk(mnt):
+        for name in filenames:
+            total += read_file(Path(dirpath) / name)
+            files += 1
+    return files, total, time.perf_counter() - t
+
+
+def read_in_order(mnt: Path, order: list[str]) -> tuple[int, float]:
+    t = time.perf_counter()
+    total = sum(read_file(mnt / name) for name in order)
+    return total, time.perf_counter() - t
+
+
+def pipeline_extract(archive: Path, dest: Path) -> float:
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    t = time.perf_counter()
+    subprocess.run(f"zstd -dc '{archive}' | tar -x -C '{dest}'", shell=True, check=True)
+    elapsed = time.perf_counter() - t
+    shutil.rmtree(dest, ignore_errors=True)
+    return elapsed
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+# -- main --------------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--files", type=int, default=20_000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--random", type=int, default=0, help="random reads per round and tool (0: all, an epoch)"
+    )
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/cdmlfs-bench-tar"))
+    ap.add_argument("--shm", type=Path, default=Path("/dev/shm/cdmlfs-bench-tar"))
+    ap.add_argument("--ratarmount-venv", type=Path, default=Path("/tmp/bench-venvs/ratarmount"))
+    ap.add_argument("--skip-ratarmount", action="store_true")
+    args = ap.parse_args()
+
+    work = args.workdir
+    work.mkdir(parents=True, exist_ok=True)
+    plain = work / f"data-{args.files}.tar"
+    seekable = work / f"seekable-{args.files}.tar.zst"
+    pz = work / f"pzstd-{args.files}.tar.zst"
+    single = work / f"single-{args.files}.tar.zst"
+    cidx, ridx = work / "cdmlfs-index", work / "ratarmount-index"
+    ridx.mkdir(exist_ok=True)
+    if not plain.exists():
+        log(f"writing {plain} ...")
+        make_tar(plain, args.files)
+    if not seekable.exists():
+        t = time.perf_counter()
+        subprocess.run([PY, "-m", "cdmlfs", "pack", "-q", str(plain), str(seekable)], check=True)
+        log(f"cdmlfs pack: {time.perf_counter() - t:.1f}s")
+    if not pz.exists():
+        subprocess.run(f"pzstd -q -p 2 -c '{plain}' > '{pz}'", shell=True, check=True)
+    if not single.exists():  # streamed like tar --zstd: one frame, no content size
+        subprocess.run(f"zstd -q -T2 -c < '{plain}' > '{single}'", shell=True, check=True)
+
+    from cdmlfs.archive import Archive
+
+    with Archive(str(seekable), index_dir=str(cidx)) as ar:
+        members = ar.files()
+        fr = ar.format.stream.frames
+        import bisect
+
+        frame_of = {
+            p: bisect.bisect_right(fr.dec_offset, ar.index.offset[ar.index.lookup(p)]) - 1 for p in members
+        }
+        data_bytes = ar.index.total_file_bytes()
+        n_frames = len(fr)
+    for path in (pz, single):
+        t = time.perf_counter()
+        with Archive(str(path), index_dir=str(cidx)) as ar:
+            first_index = time.perf_counter() - t
+            if path == single:
+                order = ar.archive_order()
+        log(f"cdmlfs index of {path.name}: {first_index:.2f}s (first time: full scan; then cached)")
+
+    ratarmount = None if args.skip_ratarmount else ensure_ratarmount(args.ratarmount_venv)
+    mnt = work / "mnt"
+    tools: dict[str, Mount] = {
+        "cdmlfs/seekable": cdmlfs_mount(seekable, mnt, cidx),
+        "cdmlfs/seekable, 64M cache": cdmlfs_mount(seekable, mnt, cidx, "--cache-size", "64M"),
+        "cdmlfs/pzstd": cdmlfs_mount(pz, mnt, cidx),
+    }
+    if ratarmount is not None:
+        tools["ratarmount/seekable"] = ratarmount_mount(ratarmount, seekable, mnt, ridx)
+        tools["ratarmount/pzstd"] = ratarmount_mount(ratarmount, pz, mnt, ridx)
+        for name in ("ratarmount/seekable", "ratarmount/pzstd"):  # build their indexes outside the timing
+            t = time.perf_counter()
+            with tools[name]:
+                pass
+            log(f"{name} first mount (index build): {time.perf_counter() - t:.2f}s")
+
+    rng = random.Random(1)
+    results: dict[str, dict[str, list[float]]] = {name: {} for name in tools}
+    results["cdmlfs/single-frame archive order"] = {}
+    results["zstd -dc | tar -x (tmpfs)"] = {}
+
+    def add(tool: str, key: str, value: float) -> None:
+        results[tool].setdefault(key, []).append(value)
+
+    names = list(tools)
+    for r in range(args.rounds):
+        sample = rng.sample(members, min(args.random or len(members), len(members)))
+        order_of_tools = names[r % len(names) :] + names[: r % len(names)]
+        for tool in order_of_tools:
+            reads = sample[:2000] if "64M" in tool else sample  # mostly one decode per read: keep it short
+            with tools[tool] as m:
+                times = random_reads(m, reads)
+            add(tool, "random median ms", 1e3 * statistics.median(times))
+            add(tool, "random p90 ms", 1e3 * pct(times, 0.9))
+            add(tool, "random files/s", len(times) / sum(times))
+            if tool.startswith("cdmlfs/seekable"):
+                seen: set[int] = set()
+                cold = []
+                for name, t in zip(reads, times):
+                    if frame_of[name] not in seen:
+                        seen.add(frame_of[name])
+                        cold.append(t)
+                add(tool, "first read of a frame median ms", 1e3 * statistics.median(cold))
+            if "64M" in tool:
+                log(f"round {r + 1}: {tool} done")
+                continue
+            with tools[tool] as m:
+                files, total, elapsed = read_all(m)
+            add(tool, "read-all files/s", files / elapsed)
+            add(tool, "read-all MB/s", total / elapsed / 1e6)
+            log(f"round {r + 1}: {tool} done")
+        # archive order from a single frame vs the pipeline, alternating which goes first
+        for step in ("pipe", "cdmlfs") if r % 2 else ("cdmlfs", "pipe"):
+            if step == "pipe":
+                elapsed = pipeline_extract(single, args.shm)
+                add("zstd -dc | tar -x (tmpfs)", "MB/s", data_bytes / elapsed / 1e6)
+                add("zstd -dc | tar -x (tmpfs)", "files/s", len(members) / elapsed)
+            else:
+                with cdmlfs_mount(single, mnt, cidx) as m:
+                    total, elapsed = read_in_order(m, order)
+                add("cdmlfs/single-frame archive order", "MB/s", total / elapsed / 1e6)
+                add("cdmlfs/single-frame archive order", "files/s", len(order) / elapsed)
+        log(f"round {r + 1}: single-frame archive order done")
+
+    med = {tool: {k: statistics.median(v) for k, v in vals.items()} for tool, vals in results.items()}
+    print(f"\n# tar.zst benchmark — {len(members)} files, {data_bytes / 1e6:.0f} MB of member data, ", end="")
+    print(f"seekable archive: {n_frames} frames; {args.rounds} rounds, medians; {os.cpu_count()} cores")
+    for path in (plain, seekable, pz, single):
+        print(f"#   {path.name}: {path.stat().st_size / 1e6:.0f} MB")
+    for tool, vals in med.items():
+        print(f"{tool}:")
+        for key, value in vals.items():
+            print(f"    {key:34s} {value:10.2f}")
+    print("ratios:")
+    c = med["cdmlfs/seekable"]
+    print(f"    first read of a frame, median                 {c['first read of a frame median ms']:.2f} ms")
+    for other in ("ratarmount/seekable", "ratarmount/pzstd"):
+        if other in med:
+            o = med[other]
+            for key in ("random files/s", "read-all files/s"):
+                print(f"    {key} cdmlfs/seekable vs {other:20s} {c[key] / o[key]:6.1f}x")
+    s, p = med["cdmlfs/single-frame archive order"], med["zstd -dc | tar -x (tmpfs)"]
+    print(f"    single-frame archive order vs zstd|tar MB/s   {s['MB/s'] / p['MB/s']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
