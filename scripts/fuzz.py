@@ -251,12 +251,13 @@ def run_random(target: str, args: argparse.Namespace, corpus: Path, findings: Pa
     }
 
 
-def replay(paths: list[str], timeout: float) -> int:
+def replay(paths: list[str], timeout: float, as_limit_mb: int) -> int:
     """Run saved inputs (files or directories named after their target) and report failures."""
     _setup_path()
     from fuzz import harness
 
     _quiet_logging()
+    _limit_address_space(as_limit_mb)
     failures = 0
     for p in map(Path, paths):
         files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.suffix != ".txt")
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replay", nargs="+", metavar="PATH", help="re-run saved inputs instead of fuzzing")
     args = ap.parse_args(argv)
     if args.replay:
-        return replay(args.replay, args.timeout)
+        return replay(args.replay, args.timeout, args.as_limit_mb)
     targets = TARGET_NAMES if args.target == "all" else (args.target,)
     if args.runs is None:
         args.runs = (args.total or 100_000) // len(targets)
