@@ -332,3 +332,31 @@ def test_zip64_offsets_and_sizes_beyond_off_t_are_eio_not_a_failed_open(tmp_path
             with time_limit(10), pytest.raises(MemberError):
                 ar.read(name, 0, 4096)
         assert ar.read("ok") == b"fine"
+
+
+def test_tar_zst_decoder_windows_stay_within_one_decode_budget() -> None:
+    """Frames too large to decode whole are read through forward decoders, each holding its frame's
+    window outside the cache. Four frames of a --long archive (128 MiB windows) held 512 MiB next to
+    a 64 MiB cache; now live decoders' windows add up to at most the per-decode budget (or one)."""
+    import random
+
+    import zstandard
+
+    rng = random.Random(3)
+    block = rng.randbytes(1 << 20)
+    params = zstandard.ZstdCompressionParameters.from_level(1, window_log=23)
+    frames, contents = [], {}
+    for i in range(3):
+        data = b"".join(block[j:] + block[:j] for j in range(12))
+        contents[f"m{i}"] = data
+        part = th.build_header(f"m{i}", th.REGTYPE, len(data)) + data + (bytes(1024) if i == 2 else b"")
+        frames.append(zstandard.ZstdCompressor(compression_params=params).compress(part))
+    with Archive(MemorySource(b"".join(frames)), cache_size=16 << 20) as ar:
+        stream = ar.format.stream
+        for _ in range(2):
+            for name, data in contents.items():
+                assert ar.read(name, 10 << 20, 100) == data[10 << 20 : (10 << 20) + 100]
+                windows = [c.window for c in stream._cursors.values()]
+                assert sum(windows) <= max(stream.whole_max, max(windows)), windows
+        assert len(stream._cursors) == 1
+        assert stream._cursors[next(iter(stream._cursors))].window == 8 << 20

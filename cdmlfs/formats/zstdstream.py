@@ -200,13 +200,14 @@ class RawStream:
 class _Cursor:
     """A forward-only decoder inside one large frame."""
 
-    __slots__ = ("lock", "pos", "reader", "scratch")
+    __slots__ = ("lock", "pos", "reader", "scratch", "window")
 
-    def __init__(self) -> None:
+    def __init__(self, window: int = 0) -> None:
         self.lock = threading.Lock()
         self.reader = None
         self.pos = 0
         self.scratch: bytearray | None = None
+        self.window = window  # bytes of decoder window this cursor's frame needs
 
 
 class ZstdStream:
@@ -421,13 +422,32 @@ class ZstdStream:
     def _cursor(self, i: int) -> _Cursor:
         with self._lock:
             cur = self._cursors.get(i)
+            if cur is not None:
+                self._cursors.move_to_end(i)
+                return cur
+        window = self._window(i)
+        with self._lock:
+            cur = self._cursors.get(i)
             if cur is None:
-                if len(self._cursors) >= MAX_CURSORS:
-                    self._cursors.popitem(last=False)
-                cur = self._cursors[i] = _Cursor()
+                # Decoder windows live outside the cache: keep their sum within one decode's budget
+                # (at least one cursor). Four frames of a --long archive (128 MiB windows) held
+                # 512 MiB next to a 64 MiB cache.
+                held = sum(c.window for c in self._cursors.values())
+                while self._cursors and (len(self._cursors) >= MAX_CURSORS or held + window > self.whole_max):
+                    held -= self._cursors.popitem(last=False)[1].window
+                cur = self._cursors[i] = _Cursor(window)
             else:
                 self._cursors.move_to_end(i)
             return cur
+
+    def _window(self, i: int) -> int:
+        """The decoder window frame ``i`` needs (its header's window size, at most its content)."""
+        fr = self.frames
+        try:
+            head = self.source.read_at(fr.comp_offset[i], min(18, fr.comp_size[i]))
+            return min(parse_frame_header(head).window_size, fr.dec_size[i])
+        except ValueError:
+            return 0  # the decode reports the bad header
 
     def _decode_piece(self, i: int, k: int, piece: int, prefetching: bool = False) -> bytes | None:
         fr = self.frames
