@@ -360,3 +360,16 @@ def test_tar_zst_decoder_windows_stay_within_one_decode_budget() -> None:
                 assert sum(windows) <= max(stream.whole_max, max(windows)), windows
         assert len(stream._cursors) == 1
         assert stream._cursors[next(iter(stream._cursors))].window == 8 << 20
+
+
+def test_nested_zip_bombs_are_just_bytes() -> None:
+    """A ZIP inside a ZIP inside a ZIP (the classic 42.zip shape): never opened recursively, so the
+    inner bombs cost nothing until someone reads them, and then they read as the bytes they are."""
+    inner = craft.build_zip([zeros_member(f"z{i}", 64) for i in range(8)])  # 512 MiB declared
+    middle = craft.build_zip([craft.member(f"inner{i}.zip", inner) for i in range(8)])
+    outer = craft.build_zip([craft.member("middle.zip", middle, method=0), craft.member("ok", b"fine")])
+    with _open(outer) as ar:
+        assert ar.read("middle.zip") == middle
+        with _open(ar.read("middle.zip")) as mid:
+            assert mid.read("inner3.zip") == inner
+        assert ar.read("ok") == b"fine"
