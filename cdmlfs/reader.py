@@ -41,6 +41,7 @@ from cdmlfs.sources.base import Source
 WHOLE_MEMBER_MAX = 64 << 20
 EXTENT_SIZE = 4 << 20
 MAX_SYMLINK = 4096
+ENCRYPTED_REASON = "member is encrypted (reading encrypted members is not supported)"
 
 
 class ContainerStream(Protocol):
@@ -93,6 +94,7 @@ class ExtentReader:
         self._build_locks: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
         self.stream: ContainerStream | None = getattr(fmt, "stream", None)
+        self._source_read_into = getattr(fmt.source, "read_into", None)
         if self.stream is not None and hasattr(self.stream, "bound_extents"):
             # A container extent (a whole zstd frame) is reserved in one piece: it must fit this cache.
             self.stream.bound_extents(self.whole_limit, self.extent_size, cache)
@@ -107,8 +109,9 @@ class ExtentReader:
     def read_into(self, eid: int, offset: int, size: int, out) -> int:
         """Like ``read`` but into a writable buffer (the FUSE reply buffer): one copy, no garbage.
 
-        Verified stored members of a local archive go straight from the file into
-        ``out`` with one positioned read.
+        Stored members that need no whole-member CRC pass (already verified, or
+        too large for one) go straight from the source into ``out``: a positioned
+        read for local files, the source's own ``read_into`` for remote ones.
         """
         ix = self.index
         if ix.hardlink_of:
@@ -116,19 +119,58 @@ class ExtentReader:
         out = memoryview(out)
         if out.format != "B":
             out = out.cast("B")  # ctypes buffers come as '<c'
-        if self._fd is not None and ix.method[eid] == STORED and self._verified[eid]:
-            total = ix.size[eid]
-            if offset >= total:
+        total = ix.size[eid]
+        if ix.method[eid] == STORED and (self._verified[eid] or total > self.whole_limit):
+            if offset >= total or size <= 0:
                 return 0
             n = min(size, total - offset)
-            got = os.preadv(self._fd, [out[:n]], ix.offset[eid] + offset)
-            if got == n:
-                self.bytes_from_source += n
-                return n
+            try:
+                if ix.flags[eid] & ENCRYPTED:
+                    raise EncryptedMemberError(ENCRYPTED_REASON)
+                self._stored_into(eid, self.fmt.data_offset(eid) + offset, out[:n])
+                if not self._verified[eid]:
+                    self._track_stored_crc(eid, offset, out[:n], total)
+            except MemberError as exc:
+                if exc.member is None:
+                    exc.member = ix.paths[eid]
+                raise
+            return n
         data = self.view(eid, offset, size)
         n = len(data)
         out[:n] = data
         return n
+
+    def _stored_into(self, eid: int, at: int, dst: memoryview) -> None:
+        n = len(dst)
+        if self._fd is not None:
+            if os.preadv(self._fd, [dst], at) != n:
+                dst[:] = self.source.read_at(at, n)  # short: the source raises a SourceError with context
+        elif self._source_read_into is not None:
+            self._source_read_into(at, dst)
+        else:
+            dst[:] = self.source.read_at(at, n)
+        self.bytes_from_source += n
+
+    def _track_stored_crc(self, eid: int, offset: int, data, total: int) -> None:
+        """Check a large stored member's CRC as a sequential reader reaches its end.
+
+        Such members are too large to read whole on first access; random reads
+        into them are served unverified (documented), sequential ones verified.
+        """
+        crc = self.index.crc[eid]
+        with self._lock:
+            nxt, running = self._stored_crc.get(eid, (0, 0))
+            if offset != nxt:
+                return
+            running = inflate.crc32(data, running)
+            nxt += len(data)
+            if nxt < total:
+                self._stored_crc[eid] = (nxt, running)
+                return
+            self._stored_crc.pop(eid, None)
+        if running != crc:
+            raise CorruptMemberError(f"CRC mismatch (expected {crc:#010x}, got {running:#010x})")
+        self._verified[eid] = 1
 
     def view(self, eid: int, offset: int, size: int) -> bytes | memoryview:
         """Bytes or a memoryview into a cached extent (no copy); the caller must not keep it long."""
@@ -143,7 +185,7 @@ class ExtentReader:
         method = ix.method[eid]
         try:
             if ix.flags[eid] & ENCRYPTED:
-                raise EncryptedMemberError("member is encrypted (reading encrypted members is not supported)")
+                raise EncryptedMemberError(ENCRYPTED_REASON)
             if method == STORED:
                 return self._read_stored(eid, offset, size, total)
             if method == IN_STREAM:
@@ -199,18 +241,7 @@ class ExtentReader:
         # Large stored member: serve directly, verify the CRC as a sequential reader reaches the end.
         data = self.source.read_at(start + offset, size)
         self.bytes_from_source += size
-        with self._lock:
-            nxt, running = self._stored_crc.get(eid, (0, 0))
-            if offset == nxt:
-                running = inflate.crc32(data, running)
-                nxt += size
-                if nxt == total:
-                    self._stored_crc.pop(eid, None)
-                    if running != crc:
-                        raise CorruptMemberError(f"CRC mismatch (expected {crc:#010x}, got {running:#010x})")
-                    self._verified[eid] = 1
-                else:
-                    self._stored_crc[eid] = (nxt, running)
+        self._track_stored_crc(eid, offset, data, total)
         return data
 
     # -- deflate -------------------------------------------------------------

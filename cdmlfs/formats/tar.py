@@ -263,10 +263,7 @@ class TarFormat:
         self.name = "tar.zst" if compressed else "tar"
         self.index_source = ""  # "embedded", "cache" or "scan": how the member table was obtained
         self.store = IndexStore(index_dir)
-        try:
-            self._mtime = float(source.identity.version) / 1e9
-        except ValueError:
-            self._mtime = 0.0
+        self._mtime = getattr(source, "mtime", 0.0)
         if compressed:
             members, frames = self._open_zstd(progress)
             self.stream: ZstdStream | RawStream = ZstdStream(source, frames, source.identity.location)

@@ -118,10 +118,7 @@ class ZipFormat:
         self.prefix = cd_start - cd_offset
         if self.prefix < 0:
             raise ArchiveFormatError("corrupt ZIP: central directory offset points past its real position")
-        try:
-            mtime = float(source.identity.version) / 1e9
-        except ValueError:
-            mtime = 0.0
+        mtime = getattr(source, "mtime", 0.0)
         builder = IndexBuilder(implied_dir_mtime=mtime)
         self._parse_central_directory(cd_start, cd_size, builder, progress)
         index = builder.finish()

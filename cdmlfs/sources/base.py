@@ -34,6 +34,7 @@ class Source(Protocol):
 
     size: int
     identity: SourceIdentity
+    mtime: float  # seconds; dates the root and directories no entry describes
     prefers_threads: bool
 
     def read_at(self, offset: int, length: int) -> bytes: ...

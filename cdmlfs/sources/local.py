@@ -31,6 +31,7 @@ class LocalFile:
         self._fd = fd
         self.size = st.st_size if stat.S_ISREG(st.st_mode) else os.lseek(fd, 0, os.SEEK_END)
         self.identity = SourceIdentity(self.path, self.size, str(st.st_mtime_ns))
+        self.mtime = st.st_mtime
 
     def fileno(self) -> int | None:
         return self._fd

@@ -161,6 +161,8 @@ class S3Object:
         head = _Background(self._head, HEAD_BYTES)  # format sniffing reads the first bytes: same round trip
         self.size, self.etag, tail_start, tail = self._open(open_suffix)
         self.identity = SourceIdentity(self.location, self.size, _etag(self.etag))
+        last_modified = getattr(self, "_last_modified", None)
+        self.mtime = last_modified.timestamp() if last_modified is not None else 0.0
         self._cache = cache if cache is not None else ExtentCache(PRIVATE_CACHE)
         workers = max(1, max_connections // 2)
         config = BlockConfig(
@@ -276,6 +278,7 @@ class S3Object:
                 self._classify(exc, opening=True)
                 raise
             body = resp["Body"]
+            self._last_modified = resp.get("LastModified")
             try:
                 etag = resp.get("ETag")
                 if not etag:
@@ -324,6 +327,7 @@ class S3Object:
 
     def _open_empty(self) -> tuple[int, str, int, bytes]:
         resp = self._s3().head_object(Bucket=self.bucket, Key=self.key)
+        self._last_modified = resp.get("LastModified")
         etag = resp.get("ETag")
         if not etag or resp.get("ContentLength"):
             raise _Transient("416 for a suffix range of an object that is not empty")
