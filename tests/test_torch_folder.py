@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import subprocess
 import zipfile
 from pathlib import Path
@@ -23,6 +24,7 @@ import cdmlfs_torch  # noqa: E402
 from cdmlfs_torch import (  # noqa: E402
     ArchiveDatasetFolder,
     ArchiveImageFolder,
+    ArchiveOrderSampler,
     default_loader,
     handles,
     read_sample,
@@ -106,6 +108,57 @@ def test_same_samples_as_torchvision(trees: dict[str, Path], form: str) -> None:
     # The symlinked directory and file are seen, as os.walk(followlinks=True) sees them.
     rels = {ours.tree.relpath(p) for p, _ in ours.samples}
     assert {"cat/zlink/x.png", "dog/link_to_cat.jpg", "dog/.hidden.png"} <= rels
+
+
+@pytest.mark.parametrize("kind", ["tar", "tar.zst"])
+def test_tar_formats_give_the_same_dataset(trees: dict[str, Path], kind: str) -> None:
+    """The core reads tar and tar.zst behind the same API: same samples, same pixels, archive order."""
+    if kind == "tar.zst" and not shutil.which("zstd"):
+        pytest.skip("zstd is not installed")
+    path = trees["base"] / f"data.{kind}"
+    if not path.exists():
+        flags = ["--zstd"] if kind == "tar.zst" else []
+        subprocess.run(["tar", *flags, "-cf", str(path), "."], cwd=trees["base"] / "src", check=True)
+    ours = ArchiveImageFolder(f"{path}::train", transform=transforms.ToTensor())
+    theirs = ImageFolder(str(trees["extracted"]), transform=transforms.ToTensor())
+    assert_same_dataset(ours, theirs, str(trees["extracted"]))
+    for (xa, ya), (xb, yb) in zip(DataLoader(ours, 4, num_workers=2), DataLoader(theirs, 4), strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    listed = subprocess.run(["tar", "-tf", str(path)], capture_output=True, text=True, check=True).stdout
+    member_order = {name.removeprefix("./"): i for i, name in enumerate(listed.split("\n"))}
+    archive = handles.get_archive(str(path))
+    data_member = [archive.stat(p.partition("::")[2]).path for p, _ in ours.samples]  # symlinks resolved
+    visits = [member_order[data_member[i]] for i in ArchiveOrderSampler(ours, shuffle=False)]
+    assert visits == sorted(visits)  # one forward pass through the tar
+
+
+def test_s3_archive_with_fork_and_spawn_workers(
+    trees: dict[str, Path], request: pytest.FixtureRequest
+) -> None:
+    """s3:// roots pass through to cdmlfs.open; every worker opens its own S3 source."""
+    pytest.importorskip("boto3")
+    pytest.importorskip("localbucket")
+    import s3util
+
+    with s3util.dummy_credentials():
+        endpoint = s3util.start_localbucket(trees["base"] / "bucket-root")
+        try:
+            endpoint.put("data", "sets/data.zip", trees["zip"])
+            opts = {"endpoint_url": endpoint.url}
+            ours = ArchiveImageFolder(
+                "s3://data/sets/data.zip::train", transform=transforms.ToTensor(), open_options=opts
+            )
+            theirs = ImageFolder(str(trees["extracted"]), transform=transforms.ToTensor())
+            assert_same_dataset(ours, theirs, str(trees["extracted"]))
+            assert ours.samples[0][0].startswith("s3://data/sets/data.zip::train/")
+            want = list(DataLoader(theirs, 5))
+            for context in ("fork", "spawn"):
+                got = DataLoader(ours, 5, num_workers=2, multiprocessing_context=context)
+                for (xa, ya), (xb, yb) in zip(got, want, strict=True):
+                    assert torch.equal(xa, xb) and torch.equal(ya, yb)
+        finally:
+            handles.close_all()
+            endpoint.stop()
 
 
 def test_decoded_images_equal_torchvision(trees: dict[str, Path]) -> None:
