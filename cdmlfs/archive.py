@@ -27,8 +27,10 @@ MAX_SYMLINK_HOPS = 40
 class Archive:
     """A read-only view of one archive.
 
-    Thread-safe. Pickles as its location and options only, so a DataLoader
-    worker (fork or spawn) reopens its own source handle and cache.
+    Thread-safe and fork-safe: in a forked child (a DataLoader worker) the
+    index is shared copy-on-write, while locks, the cache and network
+    connections start afresh (:mod:`cdmlfs.forksafe`). Pickles as its location
+    and options only, so a spawned worker reopens it.
     """
 
     def __init__(
@@ -190,6 +192,11 @@ class Archive:
     def archive_order(self) -> list[str]:
         """File paths in the order their bytes lie in the archive (one forward pass reads them all)."""
         return [self.index.paths[e] for e in self.index.files_in_archive_order()]
+
+    def position(self, path: str) -> int:
+        """Where a file's bytes lie in the archive (sort key of ``archive_order``)."""
+        eid = self.index.data_entry(self._resolve(path))
+        return self.index.offset[eid]
 
     def readlink(self, path: str) -> str:
         eid = self._resolve(path, follow=False)

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 
 from cachetools import LRUCache
 
+from cdmlfs import forksafe
+
 
 def _nbytes(value: object) -> int:
     n = getattr(value, "nbytes", None)
@@ -48,6 +50,21 @@ class ExtentCache:
         self._room = threading.Condition(self._lock)
         self._reserved = 0
         self.stats = CacheStats()
+        forksafe.register(self)
+
+    def _before_fork(self) -> None:
+        pass
+
+    def _after_fork_child(self) -> None:
+        """A forked child starts with an empty cache and fresh locks.
+
+        A parent thread may have held the lock, or been halfway through an LRU
+        update, at the moment of the fork; nothing of that state is trusted.
+        """
+        self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
+        self._lru = LRUCache(maxsize=max(self.limit, 1), getsizeof=_nbytes)
+        self._reserved = 0
 
     @property
     def held(self) -> int:

@@ -27,7 +27,7 @@ import threading
 from collections.abc import Hashable
 from typing import Protocol
 
-from cdmlfs import decoders, inflate
+from cdmlfs import decoders, forksafe, inflate
 from cdmlfs.cache import ExtentCache
 from cdmlfs.errors import (
     CorruptMemberError,
@@ -99,6 +99,17 @@ class ExtentReader:
             # A container extent (a whole zstd frame) is reserved in one piece: it must fit this cache.
             self.stream.bound_extents(self.whole_limit, self.extent_size, cache)
         self.bytes_from_source = 0
+        forksafe.register(self)
+
+    def _before_fork(self) -> None:
+        pass
+
+    def _after_fork_child(self) -> None:
+        """Fresh locks and decoder states in a forked child (the index and source stay shared)."""
+        self._lock = threading.Lock()
+        self._build_locks = {}
+        self._forward = {}
+        self._stored_crc = {}
 
     # -- public --------------------------------------------------------------
     def read(self, eid: int, offset: int, size: int) -> bytes:

@@ -2,13 +2,12 @@
 
 Why a registry instead of a handle stored on each dataset:
 
-* DataLoader workers must not use the parent's handle. After ``fork`` the
-  child inherits the parent's source (an S3 connection pool is not fork-safe)
-  and its cache lock (which another parent thread may have held at the
-  moment of the fork). After ``spawn`` nothing is inherited at all. So a
-  worker opens its own handle lazily, on its first read; the registry is
-  emptied in a forked child (``os.register_at_fork``, with a pid check as a
-  second guard) without touching, let alone closing, the parent's objects.
+* A forked DataLoader worker keeps the parent's handles: archives are
+  fork-safe (:mod:`cdmlfs.forksafe` gives the child fresh locks, an empty
+  cache and new network connections) and the index is shared copy-on-write,
+  so a worker starts reading at once instead of re-indexing the archive. A
+  spawned worker inherits nothing and opens its own handle lazily, on its
+  first read.
 * Loaders receive only a sample path (``"data.zip::cat/1.jpg"``, see
   :mod:`cdmlfs_torch.roots`), exactly like torchvision loaders receive a file
   path, and must find the archive from it.
@@ -30,19 +29,16 @@ DEFAULT_CACHE_SIZE = 64 << 20
 worker, and samples of a shuffled epoch are read once, so a big cache buys nothing."""
 
 _lock = threading.Lock()
-_pid = os.getpid()
 _open: dict[str, Archive] = {}
 
 
-def _reset_after_fork() -> None:
-    """In a forked child: forget the parent's handles (never close them: they are the parent's)."""
-    global _lock, _pid, _open
+def _reset_lock_after_fork() -> None:
+    """In a forked child: a fresh registry lock (a parent thread may have held it); handles stay."""
+    global _lock
     _lock = threading.Lock()
-    _pid = os.getpid()
-    _open = {}
 
 
-os.register_at_fork(after_in_child=_reset_after_fork)
+os.register_at_fork(after_in_child=_reset_lock_after_fork)
 
 
 def get_archive(location: str, **open_kwargs: Any) -> Archive:
@@ -51,8 +47,6 @@ def get_archive(location: str, **open_kwargs: Any) -> Archive:
     A later call with different options gets the handle already open (one index
     and cache per archive and process); pass the options on the first call.
     """
-    if _pid != os.getpid():  # a fork that bypassed os.fork()'s hooks
-        _reset_after_fork()
     archive = _open.get(location)
     if archive is not None:
         return archive
@@ -72,13 +66,10 @@ def close_all() -> None:
     global _open
     with _lock:
         handles, _open = _open, {}
-    if _pid == os.getpid():
-        for archive in handles.values():
-            archive.close()
+    for archive in handles.values():
+        archive.close()
 
 
 def open_locations() -> list[str]:
     """Locations with a handle open in this process (for tests and diagnostics)."""
-    if _pid != os.getpid():
-        return []
     return list(_open)

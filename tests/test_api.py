@@ -195,3 +195,40 @@ def test_open_missing_file_is_usage_error(tmp_path: Path) -> None:
     os.mkdir(tmp_path / "adir")
     with pytest.raises(UsageError):
         cdmlfs.open(str(tmp_path / "adir"))
+
+
+def test_archive_is_fork_safe_and_shares_its_index(tmp_path: Path) -> None:
+    """A forked child reads through the parent's Archive (index shared, fresh cache and locks)."""
+    import signal
+    import threading
+
+    files = {f"f{i}.txt": text_bytes(50_000 + i, i) for i in range(40)}
+    z = python_zip(tmp_path / "fork.zip", files)
+    with cdmlfs.open(str(z), cache_size=8 << 20) as ar:
+        stop = threading.Event()
+
+        def hammer() -> None:  # parent threads hold the cache lock at random moments during the fork
+            while not stop.is_set():
+                for name in files:
+                    ar.read(name, 100, 1000)
+
+        threads = [threading.Thread(target=hammer) for _ in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            pids = []
+            for _ in range(4):
+                pid = os.fork()
+                if pid == 0:  # child: must not deadlock (SIGALRM ends a hang), must read correct bytes
+                    signal.alarm(30)
+                    ok = all(ar.read(n) == d for n, d in files.items()) and ar.cache.held <= 8 << 20
+                    os._exit(0 if ok else 1)
+                pids.append(pid)
+            for pid in pids:
+                _, status = os.waitpid(pid, 0)
+                assert os.waitstatus_to_exitcode(status) == 0
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        assert ar.position("f3.txt") < ar.position("f4.txt")

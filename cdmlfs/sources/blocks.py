@@ -39,9 +39,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from cdmlfs import forksafe
 from cdmlfs.cache import ExtentCache
 from cdmlfs.errors import SourceError
-from cdmlfs.sources import forksafe
 from cdmlfs.sources.readahead import ProbeLearner, ReadaheadConfig, Stream, StreamTable
 
 log = logging.getLogger(__name__)

@@ -32,9 +32,9 @@ import re
 import threading
 import time
 
+from cdmlfs import forksafe
 from cdmlfs.cache import ExtentCache
 from cdmlfs.errors import SourceChangedError, SourceError, UsageError
-from cdmlfs.sources import forksafe
 from cdmlfs.sources.base import SourceIdentity
 from cdmlfs.sources.blocks import BlockConfig, BlockLayer
 from cdmlfs.sources.retry import RetryPolicy

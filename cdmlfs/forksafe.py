@@ -1,7 +1,8 @@
 """Keep thread pools and HTTP clients usable across ``fork()``.
 
 ``cdmlfs mount`` opens the archive (and talks to S3) in the parent, then forks
-the daemon; DataLoader workers fork a process that already holds an Archive.
+the daemon; DataLoader workers fork a process that already holds an Archive
+(its index is shared copy-on-write, so a worker need not re-read it).
 Threads do not survive a fork, and a lock or socket shared with the parent is
 unusable in the child. Objects registered here get two callbacks:
 
