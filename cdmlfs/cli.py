@@ -341,24 +341,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="where tar / tar.zst indexes are kept so a remount needs no scan "
         "(default $XDG_CACHE_HOME/cdmlfs/index or ~/.cache/cdmlfs/index)",
     )
-    s3 = _OneLineParser(add_help=False)
-    g = s3.add_argument_group("S3 sources (s3://BUCKET/KEY; credentials from the standard AWS chain)")
-    g.add_argument(
-        "--endpoint-url", metavar="URL", help="S3-compatible endpoint (MinIO, Ceph...); implies path style"
-    )
-    g.add_argument("--region", help="bucket region (default: from the AWS profile or environment)")
-    g.add_argument("--no-sign-request", action="store_true", help="anonymous requests (public buckets)")
-    g.add_argument("--profile", help="AWS profile from ~/.aws/config and ~/.aws/credentials")
-    g.add_argument(
-        "--addressing-style",
-        choices=("auto", "path", "virtual"),
-        help="bucket in the host name (virtual) or the path (default: path with --endpoint-url, else auto)",
-    )
+
+    def add_s3_options(p: argparse.ArgumentParser) -> None:
+        # A group per subcommand: argparse mixes up groups inherited through parents=.
+        g = p.add_argument_group("S3 sources (s3://BUCKET/KEY; credentials from the standard AWS chain)")
+        g.add_argument("--endpoint-url", metavar="URL", help="S3-compatible endpoint; implies path style")
+        g.add_argument("--region", help="bucket region (default: from the AWS profile or environment)")
+        g.add_argument("--no-sign-request", action="store_true", help="anonymous requests (public buckets)")
+        g.add_argument("--profile", help="AWS profile from ~/.aws/config and ~/.aws/credentials")
+        g.add_argument(
+            "--addressing-style",
+            choices=("auto", "path", "virtual"),
+            help="bucket in the host name (virtual) or the path (default: path with an endpoint, else auto)",
+        )
+
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser(
-        "mount", parents=[common, indexed, s3], help="mount an archive as a read-only directory"
-    )
+    p = sub.add_parser("mount", parents=[common, indexed], help="mount an archive as a read-only directory")
     p.add_argument("source", help="archive path or URI (data.zip, data.tar.zst, s3://bucket/data.zip)")
     p.add_argument("mountpoint", help="an existing empty directory")
     p.add_argument("-f", "--foreground", action="store_true", help="serve in the foreground (logs to stderr)")
@@ -401,35 +400,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pid-file", help="write the serving process id here (removed on exit)")
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    add_s3_options(p)
     p.set_defaults(func=cmd_mount)
 
     p = sub.add_parser("umount", parents=[common], help="unmount (also clears a dead mount)")
     p.add_argument("mountpoint")
     p.set_defaults(func=cmd_umount)
 
-    p = sub.add_parser("ls", parents=[common, indexed, s3], help="list archive contents without mounting")
+    p = sub.add_parser("ls", parents=[common, indexed], help="list archive contents without mounting")
     p.add_argument("source")
     p.add_argument("path", nargs="?", default="")
     p.add_argument("-l", "--long", action="store_true", help="mode, size, mtime")
     p.add_argument("-R", "--recursive", action="store_true")
+    add_s3_options(p)
     p.set_defaults(func=cmd_ls)
 
-    p = sub.add_parser("cat", parents=[common, indexed, s3], help="write members to stdout")
+    p = sub.add_parser("cat", parents=[common, indexed], help="write members to stdout")
     p.add_argument("source")
     p.add_argument("paths", nargs="+")
+    add_s3_options(p)
     p.set_defaults(func=cmd_cat)
 
     p = sub.add_parser(
-        "extract", parents=[common, indexed, s3], help="copy members (or folders) out of the archive"
+        "extract", parents=[common, indexed], help="copy members (or folders) out of the archive"
     )
     p.add_argument("source")
     p.add_argument("paths", nargs="+")
     p.add_argument("-C", "--directory", default=".", help="destination directory (default .)")
+    add_s3_options(p)
     p.set_defaults(func=cmd_extract)
 
     p = sub.add_parser(
         "pack",
-        parents=[common, indexed, s3],
+        parents=[common, indexed],
         help="write a directory or archive as a seekable tar.zst (or .tar, .zip) that mounts instantly",
     )
     p.add_argument("source", help="a directory, or an archive (zip, tar, tar.zst)")
@@ -445,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="compression threads (default: all cores)")
     p.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")
     p.add_argument("-q", "--quiet", action="store_true", help="no summary line")
+    add_s3_options(p)
     p.set_defaults(func=cmd_pack)
 
     p = sub.add_parser("stats", parents=[common], help="live counters of a mount (cache, bytes, errors, RSS)")
