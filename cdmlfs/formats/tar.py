@@ -75,7 +75,6 @@ log = logging.getLogger(__name__)
 EMBEDDED_INDEX_NIBBLE = 0xC  # skippable magic 0x184D2A5C holds a packed archive's member table
 EMBEDDED_INDEX_MAGIC = b"CDMLFS-MEMBERS\x00\x01"
 MAX_META_MEMBER = 16 << 20  # longest pax / GNU long-name payload we accept
-MAX_MEMBER_SIZE = (1 << 63) - 1  # largest off_t: a size beyond it cannot be a file (and wraps in stat)
 STORE_KIND_TAR = "tar/1"
 STORE_KIND_TAR_ZST = "tar.zst/1"
 _NO_DATA_TYPES = frozenset((th.LNKTYPE, th.SYMTYPE, th.CHRTYPE, th.BLKTYPE, th.DIRTYPE, th.FIFOTYPE))
