@@ -413,7 +413,7 @@ def decode_embedded_index(payload: bytes) -> MemberTable:
     try:
         header = json.loads(payload[pos : pos + hlen])
         crc, length = int(header["crc32"]), int(header["length"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError) as exc:  # JSON allows Infinity
         raise ValueError(f"bad header ({exc})") from None
     body = payload[pos + hlen :]
     if len(body) != length or zlib.crc32(body) != crc:

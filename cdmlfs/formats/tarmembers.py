@@ -130,7 +130,7 @@ class MemberTable:
             names_bytes = int(header["names_bytes"])
             links_bytes = int(header["links_bytes"])
             stream_size = int(header["stream_size"])
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, OverflowError) as exc:  # JSON allows Infinity
             raise MemberTableError(f"bad member table header ({exc})") from None
         table = cls()
         table.stream_size = stream_size
