@@ -157,8 +157,15 @@ def run_atheris(target: str, args: argparse.Namespace, corpus: Path, findings: P
             if len(found) >= args.max_findings:
                 break
         elif proc.returncode != 0:
-            print(out[-3000:], file=sys.stderr)
-            raise SystemExit(f"[{target}] libFuzzer worker failed (exit {proc.returncode})")
+            # Died without writing the input (e.g. a signal while reporting an exception): keep the
+            # output, whose traceback names the bug, and go on from the saved corpus.
+            findings.mkdir(parents=True, exist_ok=True)
+            note = findings / f"worker-died-{int(time.time())}-{attempt}.txt"
+            note.write_text(f"exit {proc.returncode}\n" + out[-6000:])
+            found.append(str(note))
+            print(f"[{target}] worker died (exit {proc.returncode}) after {done} inputs: {note}", flush=True)
+            if ran == 0 or len(found) >= args.max_findings:
+                break
         elif ran == 0:
             break
     return {
@@ -274,6 +281,19 @@ def replay(paths: list[str], timeout: float, as_limit_mb: int) -> int:
     return 1 if failures else 0
 
 
+def _save_report(root: Path, report: dict) -> None:
+    """Add (or update) this run in CORPUS/report.json, after every target: a killed run keeps its figures."""
+    report["total_inputs"] = sum(r["inputs"] for r in report["targets"].values())
+    history = root / "report.json"
+    runs = []
+    if history.exists():
+        with contextlib.suppress(ValueError):
+            runs = json.loads(history.read_text())
+    runs = [r for r in runs if r.get("started") != report["started"]]
+    runs.append(report)
+    history.write_text(json.dumps(runs, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
@@ -323,20 +343,13 @@ def main(argv: list[str] | None = None) -> int:
         run = run_atheris if engine == "atheris" else run_random
         result = run(target, args, corpus, findings)
         report["targets"][target] = result
+        _save_report(root, report)
         print(
             f"[{target}] {result['inputs']} inputs in {result['seconds']}s "
             f"({result['inputs_per_s']}/s), {len(result['findings'])} findings",
             flush=True,
         )
-    total = sum(r["inputs"] for r in report["targets"].values())
-    report["total_inputs"] = total
-    history = root / "report.json"
-    runs = []
-    if history.exists():
-        with contextlib.suppress(ValueError):
-            runs = json.loads(history.read_text())
-    runs.append(report)
-    history.write_text(json.dumps(runs, indent=1))
+    _save_report(root, report)
     print(json.dumps(report, indent=1))
     return 1 if any(r["findings"] for r in report["targets"].values()) else 0
 
