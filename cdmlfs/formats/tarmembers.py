@@ -123,6 +123,8 @@ class MemberTable:
             raise MemberTableError("member table header missing")
         try:
             header = json.loads(bytes(data[:nl]))
+            if not isinstance(header, dict):  # valid JSON, but a number or a list has no .get
+                raise MemberTableError("member table header is not a JSON object")
             if header.get("v") != ENCODING_VERSION:
                 raise MemberTableError(f"member table version {header.get('v')} is not supported")
             n = int(header["n"])
