@@ -238,7 +238,8 @@ def main() -> int:
             first_index = time.perf_counter() - t
             if path == single:
                 order = ar.archive_order()
-        log(f"cdmlfs index of {path.name}: {first_index:.2f}s (first time: full scan; then cached)")
+            how = ar.format.index_source
+        log(f"cdmlfs open of {path.name}: {first_index:.2f}s (index from {how})")
 
     ratarmount = None if args.skip_ratarmount else ensure_ratarmount(args.ratarmount_venv)
     mnt = work / "mnt"
