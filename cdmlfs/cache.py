@@ -11,7 +11,7 @@ never exceeds ``limit``.
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 
 from cachetools import LRUCache
@@ -50,6 +50,11 @@ class ExtentCache:
         self._room = threading.Condition(self._lock)
         self._reserved = 0
         self.stats = CacheStats()
+        # Called with the cache lock held after every ``trim_every`` evicted bytes: the daemon
+        # returns freed heap pages to the OS there (see daemon._tune_malloc).
+        self.trim_hook: Callable[[], object] | None = None
+        self.trim_every = max(16 << 20, limit // 8)
+        self._evicted_since_trim = 0
         forksafe.register(self)
 
     def _before_fork(self) -> None:
@@ -154,9 +159,15 @@ class ExtentCache:
 
     def _evict_locked(self, room: int) -> None:
         lru = self._lru
+        before = lru.currsize
         while lru and lru.currsize + room > self.limit:
             lru.popitem()
             self.stats.evictions += 1
+        if self.trim_hook is not None and before != lru.currsize:
+            self._evicted_since_trim += before - lru.currsize
+            if self._evicted_since_trim >= self.trim_every:
+                self._evicted_since_trim = 0
+                self.trim_hook()
 
 
 class Reservation:

@@ -33,6 +33,7 @@ from cdmlfs.mountpoints import is_mounted, unmount
 log = logging.getLogger(__name__)
 
 READY = b"R"
+MAX_THREADS = 8
 DEFAULT_READAHEAD = 4 << 20
 MOUNT_TIMEOUT = 60.0
 
@@ -53,17 +54,17 @@ class ServeOptions:
         return self.threads == "multi"
 
 
-def _tune_malloc(multithreaded: bool) -> None:
-    """Keep freed decode buffers from pinning memory: the cache bound is only real if RSS follows it.
+def _tune_malloc(archive: Archive, multithreaded: bool) -> None:
+    """Make RSS follow the cache bound without paying a page fault per 4 KiB of every decode.
 
-    glibc raises its mmap threshold dynamically after large frees, after which
-    multi-MiB buffers come from the heap and fragment it. Measured with the
-    cache-bound test (16 MiB cache, 84 MiB decoded): peak growth 24 MiB with a
-    fixed 256 KiB threshold, 41-43 MiB with 4 MiB or glibc's default. But fresh
-    mmaps cost a page fault per 4 KiB: for network sources, whose 8 MiB fetches
-    dominate, that halved sequential throughput, so there large buffers come
-    from (reused) heap memory and we accept the larger constant.
-    ``CDMLFS_MMAP_THRESHOLD`` overrides (0 leaves glibc's default).
+    Measured: with glibc's default, multi-MiB decode buffers come from the heap
+    after the first frees and the heap fragments (cache-bound test: +43 MiB over
+    a 16 MiB cache). A fixed 256 KiB mmap threshold returns them on free (+24
+    MiB) but every new 4 MiB extent then page-faults fresh memory: a 4 MiB zstd
+    frame decode took 2.2 ms instead of 0.8 ms. So extents stay on the heap,
+    where freed ones are reused at once, and the cache calls ``malloc_trim``
+    after every few evicted MiB so freed pages go back to the OS.
+    ``CDMLFS_MMAP_THRESHOLD`` overrides the threshold (0 leaves glibc's default).
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -71,11 +72,12 @@ def _tune_malloc(multithreaded: bool) -> None:
         return
     m_mmap_threshold = -3
     m_arena_max = -8
-    default = (32 << 20) if multithreaded else (256 << 10)
-    threshold = int(os.environ.get("CDMLFS_MMAP_THRESHOLD", default))
+    threshold = int(os.environ.get("CDMLFS_MMAP_THRESHOLD", 64 << 20))
     if threshold > 0:
         libc.mallopt(m_mmap_threshold, threshold)
     libc.mallopt(m_arena_max, 4 if multithreaded else 1)
+    malloc_trim = libc.malloc_trim
+    archive.cache.trim_hook = lambda: malloc_trim(0)
 
 
 def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> None:
@@ -125,8 +127,13 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
         fuse_kwargs.update(
             use_ino=True, kernel_cache=True, entry_timeout=3600, attr_timeout=3600, negative_timeout=3600
         )
+    elif multithreaded:
+        # Each libfuse worker holds a ~1 MiB request buffer: a bounded pool keeps that constant small
+        # (unbounded, a burst of readers cost ~45 MiB beyond the cache). Eight waiting reads cover
+        # the network latency the multithreaded loop exists for.
+        fuse_kwargs.update(max_threads=MAX_THREADS, max_idle_threads=MAX_THREADS // 2)
     fuse_kwargs.update(opts.fuse_options)
-    _tune_malloc(multithreaded)
+    _tune_malloc(archive, multithreaded)
     gc.collect()
     gc.freeze()  # the index never changes: keep the collector from walking it
     fuse_cls = make_fuse_class(mfusepy)

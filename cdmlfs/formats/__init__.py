@@ -26,15 +26,18 @@ def open_format(source: Source, progress: Callable[[int, int], None] | None = No
 
 
 def _sniffers():
+    """Most specific first: magic numbers at offset 0, then a ZIP end record found in the tail.
+
+    The tail check must come last: a tar whose last member is a ZIP has a ZIP
+    end record near its end (and a self-extracting ZIP has no magic at 0).
+    """
+    from cdmlfs.formats import tar as tarfmt
     from cdmlfs.formats import zip as zipfmt
 
     def open_zip(source, progress=None, **_):
         return zipfmt.ZipFormat(source, progress)
 
-    sniffers = [(zipfmt.is_zip, open_zip)]
-    try:
-        from cdmlfs.formats import tar as tarfmt
-    except ImportError:  # tar support not built yet
-        return sniffers
-    sniffers.extend(tarfmt.SNIFFERS)
-    return sniffers
+    def zip_at_start(head: bytes, tail: bytes) -> bool:
+        return head[:4] == b"PK\x03\x04"
+
+    return [(zip_at_start, open_zip), *tarfmt.SNIFFERS, (zipfmt.is_zip, open_zip)]

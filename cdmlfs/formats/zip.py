@@ -114,6 +114,7 @@ class ZipFormat:
         cd_start = cd_end_pos - cd_size
         if cd_start < 0:
             raise ArchiveFormatError("corrupt ZIP: central directory size exceeds the file")
+        _check_index_fits(max(n_total, cd_size // 256))
         # A stub before the archive (self-extractor) shifts every recorded offset by the same amount.
         self.prefix = cd_start - cd_offset
         if self.prefix < 0:
@@ -246,6 +247,24 @@ class ZipFormat:
         index.offset[eid] = data_at
         index.flags[eid] &= ~NEEDS_LOCAL_HEADER & 0xFF
         return data_at
+
+
+INDEX_BYTES_PER_ENTRY = 250  # measured: ~240 B per entry for typical dataset paths
+
+
+def _check_index_fits(entries: int) -> None:
+    """Refuse, with numbers, an index that cannot fit in memory instead of being OOM-killed mid-scan."""
+    need = entries * INDEX_BYTES_PER_ENTRY
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return
+    if need > avail:
+        raise ArchiveFormatError(
+            f"{entries:,} entries need about {need / 2**30:.1f} GiB of index memory, "
+            f"but only {avail / 2**30:.1f} GiB is available"
+        )
 
 
 def _decode_legacy_name(raw: bytes, system: int) -> str:
