@@ -286,7 +286,7 @@ class ArchiveOperations:
         st = self.stats
         requests = dict(st.requests)
         served = st.bytes_served
-        from_source = self.reader.bytes_from_source
+        from_source = self.reader.bytes_direct + getattr(archive.source, "bytes_read", 0)
         fast = self.fast_table.stats() if self.fast_table is not None else None
         if fast is not None:
             requests["getattr"] += fast["getattr_fast"]

@@ -98,7 +98,8 @@ class ExtentReader:
         if self.stream is not None and hasattr(self.stream, "bound_extents"):
             # A container extent (a whole zstd frame) is reserved in one piece: it must fit this cache.
             self.stream.bound_extents(self.whole_limit, self.extent_size, cache)
-        self.bytes_from_source = 0
+        # Bytes read straight from the file descriptor (the rest is counted by the source itself).
+        self.bytes_direct = 0
         forksafe.register(self)
 
     def _before_fork(self) -> None:
@@ -156,11 +157,11 @@ class ExtentReader:
         if self._fd is not None:
             if os.preadv(self._fd, [dst], at) != n:
                 dst[:] = self.source.read_at(at, n)  # short: the source raises a SourceError with context
+            self.bytes_direct += n
         elif self._source_read_into is not None:
             self._source_read_into(at, dst)
         else:
             dst[:] = self.source.read_at(at, n)
-        self.bytes_from_source += n
 
     def _track_stored_crc(self, eid: int, offset: int, data, total: int) -> None:
         """Check a large stored member's CRC as a sequential reader reaches its end.
@@ -236,22 +237,20 @@ class ExtentReader:
     def _read_stored(self, eid: int, offset: int, size: int, total: int) -> bytes:
         start = self.fmt.data_offset(eid)
         if self._verified[eid]:
-            self.bytes_from_source += size
             return self.source.read_at(start + offset, size)
         crc = self.index.crc[eid]
         if total <= self.whole_limit:
             with self.cache.reserve(total):
                 if self._fd is not None:
                     data = inflate.read_stored(self._fd, start, total, crc)
+                    self.bytes_direct += total
                 else:
                     data = self.source.read_at(start, total)
                     _check_crc(data, crc)
-                self.bytes_from_source += total
                 self._verified[eid] = 1
                 return _view(data, offset, offset + size)
         # Large stored member: serve directly, verify the CRC as a sequential reader reaches the end.
         data = self.source.read_at(start + offset, size)
-        self.bytes_from_source += size
         self._track_stored_crc(eid, offset, data, total)
         return data
 
@@ -266,9 +265,9 @@ class ExtentReader:
             with cache.reserve(total) as room:
                 if self._fd is not None:
                     data = inflate.read_deflated(self._fd, start, comp, total, ix.crc[eid])
+                    self.bytes_direct += comp
                 else:
                     data = inflate.inflate(self.source.read_at(start, comp), total, ix.crc[eid])
-                self.bytes_from_source += comp
                 room.commit(eid, data)
         return _view(data, offset, offset + size)
 
@@ -286,7 +285,7 @@ class ExtentReader:
             if ck is None:
                 ix = self.index
                 ck = DeflateCheckpoints.build(
-                    self._counting_read_at,
+                    self.source.read_at,
                     self.fmt.data_offset(eid),
                     ix.comp_size[eid],
                     ix.size[eid],
@@ -337,7 +336,7 @@ class ExtentReader:
             if chunk is None:
                 length = min(spacing, total - k * spacing)
                 with self.cache.reserve(length) as room:
-                    chunk = ck.decode_interval(self._counting_read_at, k)
+                    chunk = ck.decode_interval(self.source.read_at, k)
                     room.commit(key, chunk)
             lo = max(offset - k * spacing, 0)
             hi = min(end - k * spacing, len(chunk))
@@ -358,7 +357,6 @@ class ExtentReader:
                 if not decoders.at_end(stream):
                     raise CorruptMemberError("member decodes to more bytes than declared")
                 _check_crc(data, ix.crc[eid])
-                self.bytes_from_source += ix.comp_size[eid]
                 room.commit(eid, data)
         return _view(data, offset, offset + size)
 
@@ -428,10 +426,6 @@ class ExtentReader:
             hi = min(end - start, length)
             parts.append(_view(chunk, lo, hi))
         return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    def _counting_read_at(self, offset: int, length: int) -> bytes:
-        self.bytes_from_source += length
-        return self.source.read_at(offset, length)
 
 
 def _view(data: bytes, lo: int, hi: int) -> bytes | memoryview:

@@ -32,6 +32,7 @@ class LocalFile:
         self.size = st.st_size if stat.S_ISREG(st.st_mode) else os.lseek(fd, 0, os.SEEK_END)
         self.identity = SourceIdentity(self.path, self.size, str(st.st_mtime_ns))
         self.mtime = st.st_mtime
+        self.bytes_read = 0  # through read_at (for cdmlfs stats)
 
     def fileno(self) -> int | None:
         return self._fd
@@ -41,6 +42,7 @@ class LocalFile:
             raise SourceError(
                 f"{self.path}: read of {length} bytes at {offset} is outside the file ({self.size} bytes)"
             )
+        self.bytes_read += length
         try:
             data = os.pread(self._fd, length, offset)
         except OSError as exc:

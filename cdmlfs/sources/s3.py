@@ -197,6 +197,11 @@ class S3Object:
     def fileno(self) -> int | None:
         return None
 
+    @property
+    def bytes_read(self) -> int:
+        """Bytes received from the object store (for cdmlfs stats)."""
+        return self.bytes_received
+
     def close(self) -> None:
         self._blocks.close()
         with self._client_lock:
