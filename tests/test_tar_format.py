@@ -442,11 +442,6 @@ def test_frame_claiming_a_huge_content_size_is_refused_or_eio(tmp_path: Path) ->
         Archive(str(archive), index_dir=str(tmp_path / "idx"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cdmlfs/formats/__init__.py tries the ZIP tail sniffer before the tar/zstd head sniffers, "
-    "so a tar whose last member is a ZIP mounts as that inner ZIP (reported; fix: tar/zstd sniffers first)",
-)
 def test_tar_ending_with_a_zip_member_is_a_tar(tmp_path: Path) -> None:
     import zipfile
 
