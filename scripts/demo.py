@@ -64,11 +64,15 @@ def main() -> int:
             loader = torch.utils.data.DataLoader(ds, batch_size=32, shuffle=True, num_workers=2)
             t = time.perf_counter()
             seen = 0
+            shape = None
             for images, labels in loader:
                 seen += len(labels)
+                shape = tuple(images.shape)
             dt = time.perf_counter() - t
-            print(f"torchvision ImageFolder on the mount: {len(ds.classes)} classes, {len(ds)} images, "
-                  f"one epoch in {dt:.2f}s ({seen / dt:.0f} images/s), batch {tuple(images.shape)}")  # fmt: skip
+            print(
+                f"torchvision ImageFolder on the mount: {len(ds.classes)} classes, {len(ds)} images, "
+                f"one epoch in {dt:.2f}s ({seen / dt:.0f} images/s), batch {shape}"
+            )
         finally:
             cdmlfs("umount", str(mnt))
             print(f"unmounted {mnt}")
