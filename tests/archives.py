@@ -96,3 +96,17 @@ def infozip(path: Path, src_root: Path, level: int = 6, extra: tuple[str, ...] =
     """Archive ``src_root``'s contents with Info-ZIP ``zip -r -y`` (symlinks stored as links)."""
     subprocess.run(["zip", "-q", "-r", "-y", f"-{level}", *extra, str(path), "."], cwd=src_root, check=True)
     return path
+
+
+def flip_byte_in_member(archive: Path, member: str) -> None:
+    """Corrupt one byte in the middle of a member's data (not its headers): a CRC must catch it."""
+    with zipfile.ZipFile(archive) as zf:
+        info = zf.getinfo(member)
+    with open(archive, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        nlen, xlen = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+        pos = info.header_offset + 30 + nlen + xlen + info.compress_size // 2
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x5A]))

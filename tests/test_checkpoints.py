@@ -7,54 +7,22 @@ must be the same bytes, and the same errors.
 
 from __future__ import annotations
 
-import importlib
 import os
 import random
 import threading
 import zlib
 
 import pytest
+from inflateutil import deflate, english_like, native_module
 
 from cdmlfs import inflate
 from cdmlfs.checkpoints import SNAPSHOT_BYTES, DeflateCheckpoints
 from cdmlfs.errors import CorruptMemberError, SourceError
 
-REQUIRE_NATIVE = os.environ.get("CDMLFS_REQUIRE_NATIVE") == "1"
-
-
-def _native_module():
-    try:
-        return importlib.import_module("cdmlfs._native")
-    except ImportError as exc:
-        if REQUIRE_NATIVE:
-            pytest.fail(f"CDMLFS_REQUIRE_NATIVE=1 but cdmlfs._native does not import: {exc}")
-        pytest.skip(f"cdmlfs._native not built: {exc}")
-
-
-def english_like(n: int, seed: int) -> bytes:
-    """Zipf-distributed pseudo-words in sentences: compresses and inflates like prose."""
-    rnd = random.Random(seed)
-    syllables = ["th", "e", "an", "in", "er", "on", "re", "at", "en", "nd", "st", "or", "ou", "ea", "ti"]
-    syllables += ["to", "it", "is", "ha", "ar", "al", "le", "se", "me", "de", "co", "ve", "ri", "ro"]
-    vocab = ["".join(rnd.choices(syllables, k=rnd.choice((1, 2, 2, 3, 4)))) for _ in range(5000)]
-    weights = [1.0 / (rank + 1) for rank in range(len(vocab))]
-    out: list[str] = []
-    size = 0
-    while size < n:
-        line = " ".join(rnd.choices(vocab, weights, k=rnd.randint(4, 20))).capitalize() + ".\n"
-        out.append(line)
-        size += len(line)
-    return "".join(out).encode()[:n]
-
-
-def deflate(data: bytes, level: int = 6) -> bytes:
-    c = zlib.compressobj(level, zlib.DEFLATED, -15)
-    return c.compress(data) + c.flush()
-
 
 @pytest.fixture(params=["native", "python"])
 def backend(request):
-    return _native_module() if request.param == "native" else None
+    return native_module() if request.param == "native" else None
 
 
 class Archive:
@@ -227,7 +195,7 @@ def test_concurrent_decodes(backend):
 
 
 def test_backends_agree_byte_for_byte():
-    native = _native_module()
+    native = native_module()
     data = TEXT[:3_000_000] + NOISE[:200_000]
     arch = Archive(deflate(data, 7))
     a = build(native, arch, data, 700_000)
@@ -289,7 +257,7 @@ def test_bad_members_are_detected_at_build(backend, case):
 
 @pytest.mark.parametrize("case", list(ERROR_CASES))
 def test_build_errors_agree_between_backends(case):
-    native = _native_module()
+    native = native_module()
     comp, size, crc, _ = ERROR_CASES[case]
     assert _build_outcome(native, comp, size, crc) == _build_outcome(None, comp, size, crc)
 
@@ -337,7 +305,7 @@ def _available_memory() -> int:
 @pytest.mark.slow  # marker registered in tests/conftest.py
 def test_offsets_beyond_4_gib_native():
     """Output offsets past 2**32 inside the C zran state (streamed, never held whole)."""
-    native = _native_module()
+    native = native_module()
     seg_data = english_like(1 << 20, 8) + bytes(63 << 20)
     c = zlib.compressobj(1, zlib.DEFLATED, -15)
     seg = c.compress(seg_data) + c.flush(zlib.Z_FULL_FLUSH)

@@ -8,7 +8,6 @@ and a subprocess checks that CDMLFS_NATIVE=0 really switches the public function
 
 from __future__ import annotations
 
-import importlib
 import os
 import random
 import subprocess
@@ -19,41 +18,10 @@ import zlib
 from pathlib import Path
 
 import pytest
+from inflateutil import deflate, english_like, native_module
 
 from cdmlfs import inflate
 from cdmlfs.errors import CorruptMemberError, SourceError
-
-REQUIRE_NATIVE = os.environ.get("CDMLFS_REQUIRE_NATIVE") == "1"
-
-
-def _native_module():
-    try:
-        return importlib.import_module("cdmlfs._native")
-    except ImportError as exc:
-        if REQUIRE_NATIVE:
-            pytest.fail(f"CDMLFS_REQUIRE_NATIVE=1 but cdmlfs._native does not import: {exc}")
-        pytest.skip(f"cdmlfs._native not built: {exc}")
-
-
-def english_like(n: int, seed: int) -> bytes:
-    """Zipf-distributed pseudo-words in sentences: compresses and inflates like prose."""
-    rnd = random.Random(seed)
-    syllables = ["th", "e", "an", "in", "er", "on", "re", "at", "en", "nd", "st", "or", "ou", "ea", "ti"]
-    syllables += ["to", "it", "is", "ha", "ar", "al", "le", "se", "me", "de", "co", "ve", "ri", "ro"]
-    vocab = ["".join(rnd.choices(syllables, k=rnd.choice((1, 2, 2, 3, 4)))) for _ in range(5000)]
-    weights = [1.0 / (rank + 1) for rank in range(len(vocab))]
-    out: list[str] = []
-    size = 0
-    while size < n:
-        line = " ".join(rnd.choices(vocab, weights, k=rnd.randint(4, 20))).capitalize() + ".\n"
-        out.append(line)
-        size += len(line)
-    return "".join(out).encode()[:n]
-
-
-def deflate(data: bytes, level: int = 6) -> bytes:
-    c = zlib.compressobj(level, zlib.DEFLATED, -15)
-    return c.compress(data) + c.flush()
 
 
 @pytest.fixture(params=["native", "python"])
@@ -61,7 +29,7 @@ def api(request) -> inflate.Backend:
     """The public functions of one backend, wrapped exactly as cdmlfs.inflate exports them."""
     if request.param == "python":
         return inflate.PYTHON
-    return inflate._native_backend(_native_module())
+    return inflate._native_backend(native_module())
 
 
 def _payloads() -> dict[str, bytes]:
@@ -107,7 +75,7 @@ def member_file(tmp_path_factory, members) -> tuple[Path, dict[str, tuple[int, i
 
 def test_native_extension_is_built():
     """CI sets CDMLFS_REQUIRE_NATIVE=1: there the accelerator must exist and be used."""
-    native = _native_module()
+    native = native_module()
     assert issubclass(native.DecodeError, ValueError)
     assert native.LIBDEFLATE_VERSION and native.ZLIB_VERSION
     assert (native.MAX_RATIO, native.RATIO_SLACK) == (inflate.MAX_RATIO, inflate.RATIO_SLACK)
@@ -140,7 +108,7 @@ def test_env_switch_selects_fallback_in_a_fresh_interpreter():
 
 
 def test_default_interpreter_uses_native():
-    _native_module()
+    native_module()
     env = {k: v for k, v in os.environ.items() if k != "CDMLFS_NATIVE"}
     res = subprocess.run(
         [sys.executable, "-c", "from cdmlfs import inflate; print(inflate.backend()[0])"],
@@ -307,7 +275,7 @@ def test_bad_members_raise_corrupt_member_error(api, tmp_path, case):
 
 @pytest.mark.parametrize("case", list(BAD_CASES))
 def test_both_backends_give_the_same_reason(tmp_path, case):
-    native = inflate._native_backend(_native_module())
+    native = inflate._native_backend(native_module())
     comp, size, crc, _ = BAD_CASES[case]
     assert _all_ways(native, tmp_path, comp, size, crc) == _all_ways(
         inflate.PYTHON, tmp_path, comp, size, crc
@@ -316,7 +284,7 @@ def test_both_backends_give_the_same_reason(tmp_path, case):
 
 def test_random_corruptions_agree_between_backends():
     """Flip bytes anywhere in small streams: same verdict and reason from both backends."""
-    native = inflate._native_backend(_native_module())
+    native = inflate._native_backend(native_module())
     rnd = random.Random(9)
     data = english_like(20_000, 6)
     comp, crc = deflate(data), zlib.crc32(data)
@@ -428,7 +396,7 @@ def zeros_member(tmp_path_factory):
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores to observe parallelism")
 @pytest.mark.parametrize("op", ["inflate", "read_deflated", "crc32", "inflate_into"])
 def test_gil_released_during_heavy_work(zeros_member, op):
-    native = _native_module()
+    native = native_module()
     data, comp, crc, path = zeros_member
     fd = os.open(path, os.O_RDONLY)
     out = bytearray(len(data))
@@ -448,7 +416,7 @@ def test_gil_released_during_heavy_work(zeros_member, op):
 
 def test_threads_share_nothing(members):
     """Per-thread decompressors: many threads inflating at once all get their own bytes."""
-    native = _native_module()
+    native = native_module()
     cases = [members[n] for n in ("compressible", "incompressible", "one-byte", "empty")]
     errors: list[BaseException] = []
 
@@ -480,7 +448,7 @@ def _available_memory() -> int:
 @pytest.mark.slow  # marker registered in tests/conftest.py
 def test_beyond_4_gib(tmp_path):
     """Output past 4 GiB and reads past 2 GiB: 64-bit sizes everywhere, pread loops."""
-    native = inflate._native_backend(_native_module())
+    native = inflate._native_backend(native_module())
     seg_data = bytes(64 << 20)
     c = zlib.compressobj(1, zlib.DEFLATED, -15)
     seg = c.compress(seg_data) + c.flush(zlib.Z_FULL_FLUSH)

@@ -3,26 +3,13 @@
 from __future__ import annotations
 
 import json
-import zipfile
 from pathlib import Path
 
 import pytest
-from archives import python_zip, sample_files, text_bytes
+from archives import flip_byte_in_member, python_zip, sample_files, text_bytes
 from mountutil import mounted, run_cli
 
 pytestmark = pytest.mark.fuse
-
-
-def _flip(archive: Path, member: str) -> None:
-    with zipfile.ZipFile(archive) as zf:
-        info = zf.getinfo(member)
-    with open(archive, "r+b") as f:
-        f.seek(info.header_offset + 26)
-        nlen, xlen = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
-        f.seek(info.header_offset + 30 + nlen + xlen + info.compress_size // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 @pytest.mark.parametrize("fastpath", ["1", "0"], ids=["c-fast-path", "python-path"])
@@ -31,7 +18,7 @@ def test_stats_count_what_was_served(fastpath: str, tmp_path: Path, mnt: Path, m
     files = sample_files()
     files["bad.txt"] = text_bytes(30_000, 5)
     archive = python_zip(tmp_path / "s.zip", files)
-    _flip(archive, "bad.txt")
+    flip_byte_in_member(archive, "bad.txt")
     with mounted(archive, mnt, "--cache-size", "32M"):
         total = 0
         for name, data in files.items():

@@ -15,7 +15,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from archives import infozip, python_zip, sample_files, text_bytes, write_tree
+from archives import flip_byte_in_member, infozip, python_zip, sample_files, text_bytes, write_tree
 from mountutil import alive, daemon_pid, is_mounted, mounted, run_cli, tree, unzip
 
 pytestmark = pytest.mark.fuse
@@ -176,25 +176,12 @@ def test_concurrent_threads_and_processes_byte_exact(tmp_path: Path, mnt: Path) 
         assert errors == []
 
 
-def _flip_byte_in_member(archive: Path, member: str) -> None:
-    with zipfile.ZipFile(archive) as zf:
-        info = zf.getinfo(member)
-    with open(archive, "r+b") as f:
-        f.seek(info.header_offset + 26)
-        nlen, xlen = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
-        pos = info.header_offset + 30 + nlen + xlen + info.compress_size // 2
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x5A]))
-
-
 @pytest.mark.parametrize("compression", [zipfile.ZIP_DEFLATED, zipfile.ZIP_STORED])
 def test_flipped_byte_gives_eio_on_that_file_only(compression: int, tmp_path: Path, mnt: Path) -> None:
     files = sample_files(7)
     files["victim.bin"] = text_bytes(100_000, 9)
     archive = python_zip(tmp_path / "bad.zip", files, compression)
-    _flip_byte_in_member(archive, "victim.bin")
+    flip_byte_in_member(archive, "victim.bin")
     log = tmp_path / "daemon.log"
     with mounted(archive, mnt, log_file=log):
         with pytest.raises(OSError) as excinfo:
@@ -389,8 +376,8 @@ def test_c_and_python_paths_serve_the_same(fastpath: str, tmp_path: Path, mnt: P
     with zipfile.ZipFile(tmp_path / "stored.zip", "w", zipfile.ZIP_STORED) as zf:
         for name, data in files.items():
             zf.writestr(name, data)
-    _flip_byte_in_member(archive, "victim.txt")
-    _flip_byte_in_member(tmp_path / "stored.zip", "victim.txt")
+    flip_byte_in_member(archive, "victim.txt")
+    flip_byte_in_member(tmp_path / "stored.zip", "victim.txt")
     for arch in (archive, tmp_path / "stored.zip"):
         log = tmp_path / f"{arch.stem}.log"
         with mounted(arch, mnt, "-v", log_file=log):
