@@ -197,7 +197,6 @@ def warm_files(root: Path, names: list[str]) -> None:
             f.read()
 
 
-
 def read_files(root: Path, names: list[str], threads: int) -> float:
     """Read every file completely with `threads` threads; returns files/s."""
     chunks = [names[i::threads] for i in range(threads)]
