@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Protocol
 
 from cdmlfs import decoders, forksafe, inflate
@@ -100,6 +100,10 @@ class ExtentReader:
             self.stream.bound_extents(self.whole_limit, self.extent_size, cache)
         # Bytes read straight from the file descriptor (the rest is counted by the source itself).
         self.bytes_direct = 0
+        # Told about the last container extent served (the C fast path answers the reads that
+        # follow it inside that extent, e.g. a tar.zst read in archive order).
+        self.on_extent: Callable[[int, bytes], object] | None = None
+        self._hot_key: Hashable | None = None
         forksafe.register(self)
 
     def _before_fork(self) -> None:
@@ -425,6 +429,9 @@ class ExtentReader:
             lo = max(offset - start, 0)
             hi = min(end - start, length)
             parts.append(_view(chunk, lo, hi))
+        if self.on_extent is not None and type(chunk) is bytes and key != self._hot_key:
+            self._hot_key = key
+            self.on_extent(start, chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
 

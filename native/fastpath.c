@@ -38,7 +38,7 @@
 
 /* Mirrors cdmlfs.index. */
 enum { K_FILE = 0, K_DIR = 1, K_SYMLINK = 2 };
-enum { M_STORED = 0, M_DEFLATE = 8 };
+enum { M_STORED = 0, M_DEFLATE = 8, M_IN_STREAM = 0xFF00 };
 enum { F_ENCRYPTED = 1, F_NEEDS_LOCAL_HEADER = 2 };
 
 typedef int (*getattr_fn)(const char *, struct stat *, void *);
@@ -66,6 +66,12 @@ typedef struct {
     int64_t whole_limit;
     getattr_fn py_getattr;
     read_fn py_read;
+    /* The container extent (decoded tar stream bytes) the Python reader served last: reads that
+     * fall inside it are copied in C. hot_obj is a bytes object this table holds a reference to. */
+    pthread_mutex_t hot_lock;
+    PyObject *hot_obj;
+    const char *hot_buf;
+    int64_t hot_start, hot_len;
     atomic_ullong getattr_fast, getattr_slow, read_fast, read_slow, bytes_fast, bytes_source;
 } FastPath;
 
@@ -212,18 +218,43 @@ decompressor(void)
 }
 
 static int
+read_hot(FastPath *t, Py_ssize_t e, char *buf, size_t size, off_t off, uint64_t total)
+{
+    size_t n = (size_t)((uint64_t)off + size > total ? total - (uint64_t)off : size);
+    int64_t at = COL(t, COL_OFFSET, int64_t)[e] + (int64_t)off;
+    int hit = 0;
+    pthread_mutex_lock(&t->hot_lock);
+    if (t->hot_buf && at >= t->hot_start && at + (int64_t)n <= t->hot_start + t->hot_len) {
+        memcpy(buf, t->hot_buf + (at - t->hot_start), n);
+        hit = 1;
+    }
+    pthread_mutex_unlock(&t->hot_lock);
+    if (!hit)
+        return -1;
+    atomic_fetch_add_explicit(&t->read_fast, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&t->bytes_fast, n, memory_order_relaxed);
+    return (int)n;
+}
+
+static int
 fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
 {
     FastPath *t = active;
     Py_ssize_t e = lookup(t, path);
     if (e < 0 || !COL(t, COL_FAST, uint8_t)[e] || COL(t, COL_KIND, uint8_t)[e] != K_FILE ||
-        (COL(t, COL_FLAGS, uint8_t)[e] & F_ENCRYPTED) || t->fd < 0)
+        (COL(t, COL_FLAGS, uint8_t)[e] & F_ENCRYPTED))
         goto slow;
     uint64_t total = COL(t, COL_SIZE, uint64_t)[e];
     if ((uint64_t)off >= total)
         return 0;
     uint16_t method = COL(t, COL_METHOD, uint16_t)[e];
-    if (method != M_STORED && method != M_DEFLATE)
+    if (method == M_IN_STREAM) {
+        int n = read_hot(t, e, buf, size, off, total);
+        if (n >= 0)
+            return n;
+        goto slow;
+    }
+    if ((method != M_STORED && method != M_DEFLATE) || t->fd < 0)
         goto slow;
     int64_t data_at;
     if (resolve_local_header(t, e, &data_at) != 0)
@@ -287,6 +318,9 @@ FastPath_dealloc(FastPath *self)
         active = NULL;
     for (int i = 0; i < self->ncols_held; i++)
         PyBuffer_Release(&self->cols[i]);
+    Py_XDECREF(self->hot_obj);
+    if (self->lookup)
+        pthread_mutex_destroy(&self->hot_lock);
     PyMem_RawFree(self->slots);
     PyMem_RawFree((void *)self->keys);
     Py_XDECREF(self->lookup);
@@ -363,6 +397,7 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
             i = (i + 1) & self->mask;
         self->slots[i] = ((h >> 32) << 32) | (uint64_t)(eid + 1);
     }
+    pthread_mutex_init(&self->hot_lock, NULL);
     Py_INCREF(lookup_dict);
     self->lookup = lookup_dict;
     self->fd = fd;
@@ -390,6 +425,32 @@ FastPath_activate(FastPath *self, PyObject *args)
         Py_DECREF(active);
     active = self;
     return Py_BuildValue("KK", (unsigned long long)(uintptr_t)fp_getattr, (unsigned long long)(uintptr_t)fp_read);
+}
+
+static PyObject *
+FastPath_set_hot(FastPath *self, PyObject *args)
+{
+    long long start;
+    PyObject *data;
+    if (!PyArg_ParseTuple(args, "LO!", &start, &PyBytes_Type, &data))
+        return NULL;
+    if (!self->lookup) {
+        PyErr_SetString(PyExc_RuntimeError, "FastPath is not initialised");
+        return NULL;
+    }
+    Py_INCREF(data);
+    PyObject *old;
+    Py_BEGIN_ALLOW_THREADS /* a C reader may be copying out of the old extent */
+    pthread_mutex_lock(&self->hot_lock);
+    Py_END_ALLOW_THREADS
+    old = self->hot_obj;
+    self->hot_obj = data;
+    self->hot_buf = PyBytes_AS_STRING(data);
+    self->hot_start = start;
+    self->hot_len = PyBytes_GET_SIZE(data);
+    pthread_mutex_unlock(&self->hot_lock);
+    Py_XDECREF(old);
+    Py_RETURN_NONE;
 }
 
 static PyObject *
@@ -423,6 +484,8 @@ static PyMethodDef FastPath_methods[] = {
      "activate(getattr_fallback, read_fallback) -> (getattr_address, read_address)\n"
      "Serve from this table; returns the C callbacks to put in fuse_operations."},
     {"lookup", (PyCFunction)FastPath_lookup, METH_O, "lookup(path) -> entry id or -1 (for tests)"},
+    {"set_hot", (PyCFunction)FastPath_set_hot, METH_VARARGS,
+     "set_hot(start, data): the container-stream extent at `start` that reads may be served from in C"},
     {"stats", (PyCFunction)FastPath_stats, METH_NOARGS, "Counters of requests served in C and passed on."},
     {NULL},
 };

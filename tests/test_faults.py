@@ -121,19 +121,22 @@ def test_sigkill_mid_read_then_umount_and_remount(threads: str, big_zip, mnt: Pa
     archive, files = big_zip
     with mounted(archive, mnt, "--threads", threads, "--cache-size", "16M"):
         pid = daemon_pid(mnt)
-        procs = _start_readers(mnt, 4)
+        # Readers stop by themselves after 8 s: pages and dentries already in the kernel's cache
+        # stay readable after the daemon dies (the files are immutable), so a reader may finish
+        # ("done") instead of failing; what must never happen is a reader blocked forever.
+        procs = _start_readers(mnt, 4, seconds=8)
         stop = threading.Event()
         thread_errors: list[int] = []
         workers = _reading_threads(mnt, stop, thread_errors)
         time.sleep(1.0)  # everyone is mid-read
         os.kill(pid, signal.SIGKILL)
-        outcomes = _outcomes(procs, timeout=20)
+        outcomes = _outcomes(procs, timeout=30)
         stop.set()
         for t in workers:
             t.join(timeout=20)
         assert not any(t.is_alive() for t in workers), "a reader thread hung on the dead mount"
         assert "HUNG" not in outcomes, outcomes
-        assert all(o == f"errno {errno.ENOTCONN}" or o.startswith("errno") for o in outcomes), outcomes
+        assert all(o == "done" or o.startswith("errno") for o in outcomes), outcomes
         assert all(e in (errno.ENOTCONN, errno.EIO, errno.ECONNABORTED) for e in thread_errors), thread_errors
         res = run_cli("umount", str(mnt), timeout=30)
         assert res.returncode == 0, res.stderr
