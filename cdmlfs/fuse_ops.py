@@ -28,6 +28,7 @@ import os
 import stat as statmod
 import threading
 import time
+from types import SimpleNamespace
 
 from cdmlfs.archive import Archive
 from cdmlfs.errors import CdmlfsError, MemberError
@@ -162,29 +163,14 @@ class ArchiveOperations:
             self.ready_callback()
 
     def getattr(self, path: str, fh=None) -> dict:
-        """Dict form, used only by code paths outside the fast FUSE subclass."""
-
-        class _St:
-            pass
-
-        st = _St()
-        st.st_mtimespec = _Ts()
-        st.st_ctimespec = _Ts()
-        st.st_atimespec = _Ts()
+        """mfusepy's dict form. FastFUSE.fgetattr fills the C struct directly and never calls this;
+        it exists because mfusepy registers the getattr callback only when the method exists."""
+        st = SimpleNamespace(st_mtimespec=SimpleNamespace(), st_ctimespec=SimpleNamespace(),
+                             st_atimespec=SimpleNamespace())  # fmt: skip
         self.fill_stat(self._eid(path), st)
         t = st.st_mtimespec.tv_sec * 10**9 + st.st_mtimespec.tv_nsec
-        return {
-            "st_mode": st.st_mode,
-            "st_ino": st.st_ino,
-            "st_nlink": st.st_nlink,
-            "st_size": st.st_size,
-            "st_uid": st.st_uid,
-            "st_gid": st.st_gid,
-            "st_blocks": st.st_blocks,
-            "st_mtime": t,
-            "st_ctime": t,
-            "st_atime": t,
-        }
+        keys = ("st_mode", "st_ino", "st_nlink", "st_size", "st_uid", "st_gid", "st_blocks")
+        return {**{k: getattr(st, k) for k in keys}, "st_mtime": t, "st_ctime": t, "st_atime": t}
 
     def readdir(self, path: str, fh):
         ix = self.index
@@ -332,11 +318,6 @@ def _rss_bytes() -> int | None:
     except OSError:
         pass
     return None
-
-
-class _Ts:
-    tv_sec = 0
-    tv_nsec = 0
 
 
 def make_fuse_class(mfusepy):
