@@ -217,14 +217,10 @@ class ArchiveOperations:
         return 0
 
     def read(self, path: str | None, size: int, offset: int, fi) -> bytes:
-        eid = fi.fh or self._eid(path)
-        self.stats.requests["read"] += 1
-        try:
-            data = self.reader.read(eid, offset, size)
-        except CdmlfsError as exc:
-            raise self._fail(exc, f"read {self.index.paths[eid]!r}", eid) from None
-        self.stats.bytes_served += len(data)
-        return data
+        """mfusepy's bytes form (FastFUSE.read calls ``read_into`` with libfuse's buffer instead)."""
+        buf = bytearray(size)
+        n = self.read_into(fi.fh or self._eid(path), size, offset, buf)
+        return bytes(buf[:n])
 
     def read_into(self, eid: int, size: int, offset: int, out) -> int:
         """The FUSE read hot path: bytes land directly in libfuse's reply buffer."""

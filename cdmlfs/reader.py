@@ -35,7 +35,7 @@ from cdmlfs.errors import (
     MemberError,
     UnsupportedMethodError,
 )
-from cdmlfs.index import DEFLATE, ENCRYPTED, IN_STREAM, STORED, SYMLINK, Index
+from cdmlfs.index import DEFLATE, ENCRYPTED, IN_STREAM, STORED, Index
 from cdmlfs.sources.base import Source
 
 WHOLE_MEMBER_MAX = 64 << 20
@@ -234,9 +234,6 @@ class ExtentReader:
         target = bytes(self.view(eid, 0, size)).decode("utf-8", "surrogateescape")
         return target
 
-    def is_symlink(self, eid: int) -> bool:
-        return self.index.kind[eid] == SYMLINK
-
     # -- stored --------------------------------------------------------------
     def _read_stored(self, eid: int, offset: int, size: int, total: int) -> bytes:
         start = self.fmt.data_offset(eid)
@@ -330,18 +327,25 @@ class ExtentReader:
 
     def _read_checkpointed(self, eid: int, offset: int, size: int, total: int) -> bytes:
         ck = self._checkpoints(eid)
-        spacing = ck.spacing
+
+        def load(k: int) -> bytes:
+            with self.cache.reserve(min(ck.spacing, total - k * ck.spacing)) as room:
+                chunk = ck.decode_interval(self.source.read_at, k)
+                room.commit((eid, k), chunk)
+            return chunk
+
+        return self._gather(eid, offset, size, ck.spacing, load)
+
+    def _gather(self, eid: int, offset: int, size: int, spacing: int, load: Callable[[int], bytes]):
+        """Bytes ``[offset, offset+size)`` of a member cached as extents ``(eid, k)`` of ``spacing``
+        bytes; ``load(k)`` decodes (and caches) a missing one."""
         parts = []
         end = offset + size
         k = offset // spacing
         while k * spacing < end:
-            key = (eid, k)
-            chunk = self.cache.get(key)
+            chunk = self.cache.get((eid, k))
             if chunk is None:
-                length = min(spacing, total - k * spacing)
-                with self.cache.reserve(length) as room:
-                    chunk = ck.decode_interval(self.source.read_at, k)
-                    room.commit(key, chunk)
+                chunk = load(k)
             lo = max(offset - k * spacing, 0)
             hi = min(end - k * spacing, len(chunk))
             parts.append(_view(chunk, lo, hi))
@@ -367,19 +371,7 @@ class ExtentReader:
     def _read_forward(self, eid: int, offset: int, size: int, total: int) -> bytes:
         """Large non-deflate members: decode forward in extents; a backward read restarts."""
         spacing = self.extent_size
-        parts = []
-        end = offset + size
-        k = offset // spacing
-        while k * spacing < end:
-            key = (eid, k)
-            chunk = self.cache.get(key)
-            if chunk is None:
-                chunk = self._forward_extent(eid, k, total)
-            lo = max(offset - k * spacing, 0)
-            hi = min(end - k * spacing, len(chunk))
-            parts.append(_view(chunk, lo, hi))
-            k += 1
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        return self._gather(eid, offset, size, spacing, lambda k: self._forward_extent(eid, k, total))
 
     def _forward_extent(self, eid: int, k: int, total: int) -> bytes:
         spacing = self.extent_size
