@@ -33,7 +33,8 @@ METHOD_NAMES = {
     98: "ppmd",
     99: "aes-encrypted",
 }
-STREAM_METHODS = frozenset({DEFLATE, BZIP2, LZMA, ZSTD, XZ})
+# Deflate is not here: the reader serves it whole (libdeflate) or through checkpoints.
+STREAM_METHODS = frozenset({BZIP2, LZMA, ZSTD, XZ})
 
 
 def method_name(method: int) -> str:
@@ -61,32 +62,6 @@ class SourceSlice(io.RawIOBase):
         buf[: len(data)] = data
         self._pos += len(data)
         return len(data)
-
-
-class _ZlibRawStream(io.RawIOBase):
-    """Raw deflate as a bounded stream (used for forward decoding when checkpoints are not wanted)."""
-
-    def __init__(self, raw: io.RawIOBase) -> None:
-        self._raw = raw
-        self._d = zlib.decompressobj(-15)
-        self._pending = b""
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, n: int = -1) -> bytes:  # type: ignore[override]
-        out = []
-        want = n
-        while want > 0 and not self._d.eof:
-            if not self._pending:
-                self._pending = self._raw.read(1 << 20) or b""
-                if not self._pending:
-                    break
-            chunk = self._d.decompress(self._pending, want)
-            self._pending = self._d.unconsumed_tail
-            out.append(chunk)
-            want -= len(chunk)
-        return b"".join(out)
 
 
 # Largest decoder window (LZMA dictionary) we allocate: a member's header chooses it, and the
@@ -134,8 +109,6 @@ def open_stream(source: Source, method: int, offset: int, comp_size: int, size: 
 
 
 def _open_stream(source: Source, method: int, offset: int, comp_size: int, size: int | None):
-    if method == DEFLATE:
-        return _ZlibRawStream(SourceSlice(source, offset, comp_size))
     if method == BZIP2:
         return bz2.BZ2File(SourceSlice(source, offset, comp_size))
     if method == LZMA:

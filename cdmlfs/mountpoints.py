@@ -59,11 +59,6 @@ def is_mounted(path: str) -> bool:
     return mount_entry(path) is not None
 
 
-def is_dead_mount(path: str) -> bool:
-    """True for a FUSE mount whose daemon is gone ("Transport endpoint is not connected")."""
-    return _is_dead(path)
-
-
 def check_mountpoint(path: str, allow_nonempty: bool = False) -> str:
     """Validate a mount point before doing any work; returns its absolute path."""
     if _is_dead(path):
@@ -120,13 +115,4 @@ def _wait_unmounted(path: str, timeout: float) -> bool:
         if not is_mounted(path):
             return True
         time.sleep(0.02)
-    return False
-
-
-def wait_mounted(path: str, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if is_mounted(path):
-            return True
-        time.sleep(0.01)
     return False

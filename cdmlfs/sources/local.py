@@ -60,14 +60,6 @@ class LocalFile:
             data = b"".join(parts)
         return data
 
-    def check_unchanged(self) -> None:
-        """Raise SourceChangedError if the file was replaced or modified since opening."""
-        from cdmlfs.errors import SourceChangedError
-
-        st = os.fstat(self._fd)
-        if st.st_size != self.size or str(st.st_mtime_ns) != self.identity.version:
-            raise SourceChangedError(f"{self.path}: archive changed on disk after it was opened")
-
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
