@@ -32,6 +32,7 @@ _EXPORTS = {
     "read_sample": "cdmlfs_torch.loaders",
     "open_sample": "cdmlfs_torch.loaders",
     "pil_loader": "cdmlfs_torch.loaders",
+    "tensor_loader": "cdmlfs_torch.loaders",
     "default_loader": "cdmlfs_torch.loaders",
     "split_sample_path": "cdmlfs_torch.roots",
     "resolve_root": "cdmlfs_torch.roots",

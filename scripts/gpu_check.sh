@@ -20,7 +20,7 @@
 #   - FUSE is not needed: the GPU part reads the ZIP through the Python API. If installing cdmlfs in
 #     editable mode fails (its optional C accelerator needs a compiler and libdeflate headers), the
 #     checkout is used through PYTHONPATH instead.
-# Environment: PYTHON, VENV, WHEELS, IMAGES (synthetic JPEGs, default 4000), STEPS (measured training
+# Environment: PYTHON, VENV, WHEELS, IMAGES (synthetic JPEGs, default 10000, so the timed steps stay in one epoch), STEPS (measured training
 # steps, default 100), BATCH (default 64), OUT (where logs and JSON go, default ${TMPDIR:-/tmp}/cdmlfs-gpu-check).
 # Exit status: 0 when the tests pass and the benchmark meets its target, 1 otherwise, 2 on a setup failure.
 set -uo pipefail
@@ -28,7 +28,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-${TMPDIR:-/tmp}/cdmlfs-gpu-venv}
-IMAGES=${IMAGES:-4000}
+IMAGES=${IMAGES:-10000}
 STEPS=${STEPS:-100}
 BATCH=${BATCH:-64}
 OUT=${OUT:-${TMPDIR:-/tmp}/cdmlfs-gpu-check}

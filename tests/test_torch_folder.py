@@ -29,6 +29,7 @@ from cdmlfs_torch import (  # noqa: E402
     handles,
     read_sample,
     split_sample_path,
+    tensor_loader,
 )
 
 H, W = 12, 16
@@ -169,6 +170,27 @@ def test_decoded_images_equal_torchvision(trees: dict[str, Path]) -> None:
         b, tb = theirs[i]
         assert ta == tb and a.mode == b.mode == "RGB"
         assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_tensor_loader_equals_torchvision_io(trees: dict[str, Path]) -> None:
+    """torchvision.io's decoder where it reads the format (JPEG, PNG, WebP), PIL's pixels elsewhere."""
+    from torchvision.io import ImageReadMode, decode_image
+
+    ours = ArchiveImageFolder(f"{trees['zip']}::train", loader=tensor_loader)
+    theirs = ImageFolder(str(trees["extracted"]))
+    kinds = set()
+    for i in range(len(ours)):
+        x, target = ours[i]
+        local = theirs.samples[i][0]
+        assert target == theirs.targets[i] and x.dtype == torch.uint8 and x.shape[0] == 3
+        if Path(local).suffix.lower() in (".jpg", ".jpeg", ".png", ".webp"):
+            expected = decode_image(local, mode=ImageReadMode.RGB)
+            kinds.add("torchvision")
+        else:
+            expected = torch.from_numpy(np.array(theirs[i][0])).permute(2, 0, 1)
+            kinds.add("pil")
+        assert torch.equal(x, expected), local
+    assert kinds == {"torchvision", "pil"}
 
 
 def test_whole_archive_and_directory_roots(trees: dict[str, Path]) -> None:
