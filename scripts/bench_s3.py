@@ -156,7 +156,19 @@ def ratarmount_random(ratarmount: str, proxy: FaultProxy, names: list[str], work
 
 
 # -- sequential ------------------------------------------------------------------------------------
-def raw_boto3(url: str, start: int, size: int, workers: int, part: int) -> float:
+def process_cpu(pid: int) -> float:
+    """user + system CPU seconds of a live process, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu() -> float:
+    return sum(os.times()[:2])
+
+
+def raw_boto3(url: str, start: int, size: int, workers: int, part: int) -> tuple[float, float]:
+    """(seconds, CPU seconds of this process) for parallel ranged GETs of [start, start + size)."""
     import boto3
     from botocore.config import Config
 
@@ -171,34 +183,38 @@ def raw_boto3(url: str, start: int, size: int, workers: int, part: int) -> float
         body = client.get_object(Bucket=BUCKET, Key=KEY, Range=f"bytes={off}-{end}")["Body"]
         return len(body.read())
 
-    started = time.perf_counter()
+    cpu0, started = own_cpu(), time.perf_counter()
     with ThreadPoolExecutor(workers) as pool:
         got = sum(pool.map(get, range(start, start + size, part)))
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, own_cpu() - cpu0
     assert got == size, (got, size)
-    return elapsed
+    return elapsed, cpu
 
 
-def cdmlfs_api(url: str, size: int, chunk: int = 1 * MiB) -> float:
+def cdmlfs_api(url: str, size: int, chunk: int = 1 * MiB) -> tuple[float, float]:
+    """(seconds, CPU seconds of this process) to read the big member with readinto, 1 MiB at a time."""
     from cdmlfs.archive import Archive
 
     with Archive(f"s3://{BUCKET}/{KEY}", endpoint_url=url) as archive:
-        started = time.perf_counter()
+        cpu0, started = own_cpu(), time.perf_counter()
         got = 0
         with archive.open(BIG) as f:
             buf = bytearray(chunk)
             while n := f.readinto(buf):
                 got += n
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, own_cpu() - cpu0
     assert got == size, (got, size)
-    return elapsed
+    return elapsed, cpu
 
 
-def cdmlfs_fuse(url: str, size: int, work: Path, chunk: int = 1 * MiB) -> float:
+def cdmlfs_fuse(url: str, size: int, work: Path, chunk: int = 1 * MiB) -> tuple[float, float]:
+    """(seconds, CPU seconds of the reader and the daemon) to read the big member through a mount."""
+    pid_file = work / ".mnt-seq.pid"
     with mounted(
         f"s3://{BUCKET}/{KEY}", work / "mnt-seq", "--endpoint-url", url, log_file=work / "seq.log"
     ) as mnt:
-        started = time.perf_counter()
+        daemon = int(pid_file.read_text().split()[0])
+        cpu0, started = own_cpu() + process_cpu(daemon), time.perf_counter()
         got = 0
         fd = os.open(mnt / BIG, os.O_RDONLY)
         try:
@@ -206,9 +222,9 @@ def cdmlfs_fuse(url: str, size: int, work: Path, chunk: int = 1 * MiB) -> float:
                 got += n
         finally:
             os.close(fd)
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, own_cpu() + process_cpu(daemon) - cpu0
     assert got == size, (got, size)
-    return elapsed
+    return elapsed, cpu
 
 
 def median(xs: list[float]) -> float:
@@ -320,25 +336,43 @@ def bench_sequential(args, server, big_at: int, big_size: int, work: Path) -> No
         "cdmlfs API": [],
         "cdmlfs FUSE": [],
     }
+    # CPU seconds per GiB: the client side (this process, plus the daemon for FUSE) and the endpoint.
+    client_cpu: dict[str, list[float]] = {k: [] for k in times}
+    server_cpu: dict[str, list[float]] = {k: [] for k in times}
+    gib = big_size / 2**30
     for r in range(args.rounds):
         runs = list(times)
         if r % 2:
             runs.reverse()
         for name in runs:
+            srv0 = process_cpu(server.proc.pid)  # the endpoint is idle outside the timed reads
             if name.startswith("raw"):
                 workers = 8 if "8x" in name else 16
-                t = raw_boto3(server.url, big_at, big_size, workers, 8 * MiB)
+                t, client = raw_boto3(server.url, big_at, big_size, workers, 8 * MiB)
             elif name == "cdmlfs API":
-                t = cdmlfs_api(server.url, big_size)
+                t, client = cdmlfs_api(server.url, big_size)
             else:
-                t = cdmlfs_fuse(server.url, big_size, work)
+                t, client = cdmlfs_fuse(server.url, big_size, work)
             times[name].append(t)
-            print(f"  round {r + 1} {name:18s} {t:6.2f} s  {big_size / t / MiB:7.1f} MiB/s", flush=True)
+            srv = process_cpu(server.proc.pid) - srv0
+            client_cpu[name].append(client / gib)
+            server_cpu[name].append(srv / gib)
+            print(
+                f"  round {r + 1} {name:18s} {t:6.2f} s  {big_size / t / MiB:7.1f} MiB/s"
+                f"  CPU/GiB client {client / gib:5.2f} s, endpoint {srv / gib:5.2f} s",
+                flush=True,
+            )
     med = {k: median(v) for k, v in times.items()}
     best_raw = min(med["raw boto3 8x8MiB"], med["raw boto3 16x8MiB"])
     for name, t in med.items():
         print(f"  {name:18s} median {t:6.2f} s  {big_size / t / MiB:7.1f} MiB/s  "
-              f"= {best_raw / t * 100:5.1f}% of the best raw")  # fmt: skip
+              f"= {best_raw / t * 100:5.1f}% of the best raw; CPU s/GiB: client "
+              f"{median(client_cpu[name]):.2f}, endpoint {median(server_cpu[name]):.2f}")  # fmt: skip
+    cores = os.cpu_count() or 1
+    print(
+        f"  ({cores} cores here: when client + endpoint CPU per GiB, divided by the cores, is close to the"
+        " seconds per GiB, the run is CPU-bound and the ratios compare CPU costs, not network use)"
+    )
 
 
 if __name__ == "__main__":
