@@ -181,7 +181,7 @@ class ProxyStats:
     requests: int = 0
     body_bytes: int = 0
     faults: int = 0
-    log: deque = field(default_factory=lambda: deque(maxlen=10_000))  # (method, range, status, bytes)
+    log: deque = field(default_factory=lambda: deque(maxlen=10_000))  # (method, range, status, bytes to send)
 
 
 class FaultProxy:
@@ -257,6 +257,11 @@ class FaultProxy:
             self.stats.body_bytes += nbytes
             self.stats.log.append((method, rng, status, nbytes))
 
+    def _uncount(self, nbytes: int) -> None:
+        """Take back body bytes counted but not sent (the client went away, or the upstream body ended)."""
+        with self._lock:
+            self.stats.body_bytes -= nbytes
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
@@ -323,7 +328,10 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         self.end_headers()
         total = int(resp.getheader("Content-Length") or 0) if self.command != "HEAD" else 0
         limit = total // 2 if fault in ("truncate", "stall_body") else total
-        sent = 0
+        # Counted before the body goes out: the client can act on the last byte (and a test can
+        # read the stats) before this thread runs again. Bytes that could not be sent are taken back.
+        owner._count(self.command, self.headers.get("Range"), resp.status, limit)
+        sent = written = 0
         try:
             while sent < total:
                 chunk = resp.read(min(256 << 10, total - sent))
@@ -332,6 +340,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 keep = chunk[: max(0, limit - sent)]
                 if keep:
                     self.wfile.write(keep)
+                    written += len(keep)
                 sent += len(chunk)
                 if len(keep) < len(chunk):
                     break
@@ -340,7 +349,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         finally:
-            owner._count(self.command, self.headers.get("Range"), resp.status, min(sent, limit))
+            if written < limit:
+                owner._uncount(limit - written)
         if fault in ("truncate", "stall_body"):
             self.wfile.flush()
             if fault == "stall_body":
@@ -352,12 +362,12 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     def _error(self, status: int) -> None:
         code = {503: "SlowDown", 500: "InternalError", 403: "AccessDenied"}[status]
         data = f"<?xml version='1.0'?><Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
+        self.owner._count(self.command, self.headers.get("Range"), status, 0)  # before the client sees it
         self.send_response_only(status)
         self.send_header("Content-Type", "application/xml")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
-        self.owner._count(self.command, self.headers.get("Range"), status, 0)
 
     def _reset(self) -> None:
         """Abort the client connection with a TCP RST (SO_LINGER 0), not a clean close."""
