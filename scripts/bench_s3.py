@@ -35,6 +35,8 @@ import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
@@ -157,10 +159,9 @@ def ratarmount_random(ratarmount: str, proxy: FaultProxy, names: list[str], work
 
 # -- sequential ------------------------------------------------------------------------------------
 def process_cpu(pid: int) -> float:
-    """user + system CPU seconds of a live process, from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """user + system CPU seconds of a live process (the endpoint, the FUSE daemon)."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def own_cpu() -> float:

@@ -128,10 +128,11 @@ def train_transform(to_tensor: bool = True):
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """user + system CPU time of a live process (the FUSE daemon), from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """user + system CPU time of a live process (the FUSE daemon)."""
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def own_cpu_seconds() -> float:
@@ -241,13 +242,6 @@ def tensor_transform():
     return v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip()])
 
 
-def decode_file(path: str):
-    """torchvision.io decode of a local file: the extracted-tree twin of ``tensor_loader``."""
-    from torchvision.io import ImageReadMode, decode_image
-
-    return decode_image(path, mode=ImageReadMode.RGB)
-
-
 def gpu_benchmark(args: argparse.Namespace, zip_path: Path, extracted: Path) -> dict:
     """ResNet-50 steps fed by each input pipeline; ``--gpu-device cpu`` runs the same code as a smoke test.
 
@@ -285,7 +279,7 @@ def gpu_benchmark(args: argparse.Namespace, zip_path: Path, extracted: Path) -> 
             f"{zip_path}::train", transform=train_transform(to_tensor=False)
         ),
         "extracted-tensor": lambda: ImageFolder(
-            str(extracted), loader=decode_file, transform=tensor_transform()
+            str(extracted), loader=tensor_loader, transform=tensor_transform()
         ),
     }
     classes = len(pipelines["archive-tensor"]().classes)
