@@ -128,21 +128,35 @@ class ExtentCache:
         whole limit is a caller bug (decoders split large members into bounded
         extents), so it raises.
         """
+        token = self.hold(nbytes)
+        assert token is not None
+        try:
+            yield token
+        finally:
+            token.release()
+
+    def hold(self, nbytes: int, wait: bool = True) -> Reservation | None:
+        """Like :meth:`reserve`, for room that outlives one call (a decode finished in the background).
+
+        The caller must ``commit`` or ``release`` the token. With ``wait=False``
+        it returns None instead of waiting for other reservations to end.
+        """
         if nbytes > self.limit:
             raise ValueError(f"reservation of {nbytes} bytes exceeds the cache limit of {self.limit}")
         with self._room:
             while self._reserved + nbytes > self.limit:
+                if not wait:
+                    return None
                 self._room.wait()
             self._reserved += nbytes
             self._evict_locked(self._reserved)
-        token = Reservation(self, nbytes)
-        try:
-            yield token
-        finally:
-            with self._room:
-                self._reserved -= token.remaining
-                token.remaining = 0
-                self._room.notify_all()
+        return Reservation(self, nbytes)
+
+    def _release(self, token: Reservation) -> None:
+        with self._room:
+            self._reserved -= token.remaining
+            token.remaining = 0
+            self._room.notify_all()
 
     def _commit(self, token: Reservation, key: Hashable, value: object) -> None:
         size = _nbytes(value)
@@ -182,3 +196,8 @@ class Reservation:
     def commit(self, key: Hashable, value: object) -> None:
         """Insert the decoded value in place of the reservation."""
         self._cache._commit(self, key, value)
+
+    def release(self) -> None:
+        """Give the room back without inserting anything (idempotent)."""
+        if self.remaining:
+            self._cache._release(self)
