@@ -39,6 +39,7 @@ IN_STREAM = 0xFF00  # bytes at `offset` of the archive's decoded container strea
 # Flags.
 ENCRYPTED = 1
 NEEDS_LOCAL_HEADER = 2  # ZIP: `offset` is the local header; the data offset is resolved on first read
+MEMBER_CRC = 4  # IN_STREAM: `crc` is the member's CRC-32 (written by cdmlfs pack), checkable on its own
 
 DEFAULT_FILE_MODE = 0o644
 DEFAULT_DIR_MODE = 0o755

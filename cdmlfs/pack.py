@@ -41,6 +41,7 @@ import struct
 import threading
 import time
 import zipfile
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,6 +49,7 @@ from typing import NamedTuple
 
 import zstandard
 
+from cdmlfs import inflate
 from cdmlfs.errors import UsageError
 from cdmlfs.formats import tarheader as th
 from cdmlfs.formats.tar import EMBEDDED_INDEX_NIBBLE, encode_embedded_index
@@ -313,6 +315,7 @@ class _SeekableZstdSink(_TarSink):
 def write_tar(entries: list[PackEntry], sink: _TarSink, progress: Progress | None, total: int) -> MemberTable:
     """The tar stream of ``entries`` into ``sink``; returns the member table (data offsets included)."""
     members = MemberTable()
+    members.crcs = array("I")  # lets the reader check a member before the rest of its frame is decoded
     pos = 0
     done = 0
     last_report = 0.0
@@ -324,17 +327,18 @@ def write_tar(entries: list[PackEntry], sink: _TarSink, progress: Progress | Non
         sink.write(header)
         pos += len(header)
         mtime = float(math.floor(entry.mtime))
-        if entry.kind == FILE:
-            members.append(FILE, entry.name, entry.mode, mtime, data_size, pos)
-        elif entry.kind == DIR:
+        if entry.kind == DIR:
             members.append(DIR, entry.name + "/", entry.mode, mtime, 0, 0)
-        else:
+        elif entry.kind != FILE:
             members.append(entry.kind, entry.name, entry.mode, mtime, 0, 0, entry.link)
+        data_at = pos
+        crc = 0
         if data_size:
             written = 0
             for chunk in entry.read():  # type: ignore[misc]
                 take = chunk if written + len(chunk) <= data_size else chunk[: data_size - written]
                 sink.write(take)
+                crc = inflate.crc32(take, crc)
                 written += len(take)
                 done += len(take)
                 if written >= data_size:
@@ -344,7 +348,11 @@ def write_tar(entries: list[PackEntry], sink: _TarSink, progress: Progress | Non
                     last_report = time.monotonic()
             if padded > written:
                 sink.write(bytes(padded - written))
+                if data_size > written:  # a source that shrank: the member reads as zeros to its size
+                    crc = inflate.crc32(bytes(data_size - written), crc)
             pos += padded
+        if entry.kind == FILE:
+            members.append(FILE, entry.name, entry.mode, mtime, data_size, data_at, crc=crc)
         if progress is not None and time.monotonic() - last_report > 0.2:
             progress(done, total)
             last_report = time.monotonic()

@@ -8,6 +8,7 @@ import os
 import struct
 import tarfile
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from cdmlfs.formats.tar import scan_tar
 from cdmlfs.formats.tarheader import build_header, parse_header, parse_pax, pax_record
 from cdmlfs.formats.tarmembers import MemberTable
 from cdmlfs.formats.zstdstream import ZstdScanView
+from cdmlfs.index import FILE
 from cdmlfs.index_store import IndexStore, default_index_dir
 from cdmlfs.sources.local import LocalFile
 from cdmlfs.zstd_seekable import (
@@ -172,7 +174,14 @@ def test_embedded_index_equals_a_fresh_scan(tmp_path: Path) -> None:
     view = ZstdScanView(source, frames)
     view.finish(scan_tar(view, scanned))
     scanned.stream_size = view.frame_table().total
-    assert embedded is not None
+    assert embedded is not None and embedded.crcs is not None
+    # Same members as a scan finds, plus what only the packer knows: each file's CRC-32.
+    expected = [
+        zlib.crc32((src / name).read_bytes()) if kind == FILE else 0
+        for kind, name in zip(scanned.kind, scanned.names)
+    ]
+    assert list(embedded.crcs) == expected
+    embedded.crcs = None
     assert embedded.encode() == scanned.encode()
 
 

@@ -10,9 +10,15 @@ through :class:`~cdmlfs.index.IndexBuilder`, so path rules and duplicate
 handling are applied in exactly one place, identically for fresh scans and
 cached tables.
 
-Encoding (little endian): a JSON header line, then the columns as raw arrays,
-then names and link targets as NUL-separated UTF-8 (surrogate escapes keep
-non-UTF-8 bytes). NUL never occurs in a name (tar fields are C strings; pax
+Tables written by ``cdmlfs pack`` also carry each file's CRC-32 (``crcs``):
+with it the reader can check one member as soon as its own bytes are decoded,
+without waiting for the rest of its zstd frame (whose checksum covers the
+whole frame). Scanned tables of foreign archives have none.
+
+Encoding (little endian): a JSON header line, then the columns as raw arrays
+(version 2 adds the optional CRC column, flagged ``"crc": 1``; version 1
+tables still decode), then names and link targets as NUL-separated UTF-8
+(surrogate escapes keep non-UTF-8 bytes). NUL never occurs in a name (tar fields are C strings; pax
 values are normalised the same way :mod:`cdmlfs.pathrules` would).
 """
 
@@ -22,10 +28,11 @@ import json
 import sys
 from array import array
 
-from cdmlfs.index import DIR, FILE, IN_STREAM, SYMLINK, Index, IndexBuilder
+from cdmlfs.index import DIR, FILE, IN_STREAM, MEMBER_CRC, SYMLINK, Index, IndexBuilder
 
 HARDLINK = 3  # member kinds: FILE, DIR, SYMLINK from cdmlfs.index, plus this one
-ENCODING_VERSION = 1
+ENCODING_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 class MemberTableError(ValueError):
@@ -35,7 +42,7 @@ class MemberTableError(ValueError):
 class MemberTable:
     """Members in archive order: kind, mode, mtime, size, data offset in the stream, name, link."""
 
-    __slots__ = ("kind", "links", "mode", "mtime", "names", "offset", "size", "stream_size")
+    __slots__ = ("crcs", "kind", "links", "mode", "mtime", "names", "offset", "size", "stream_size")
 
     def __init__(self) -> None:
         self.kind = bytearray()
@@ -46,13 +53,23 @@ class MemberTable:
         self.names: list[str] = []
         self.links: dict[int, str] = {}
         self.stream_size = 0  # bytes of the decoded stream the members were found in
+        self.crcs: array | None = None  # CRC-32 of each member's data (0 for non-files), or None
 
     def __len__(self) -> int:
         return len(self.names)
 
     def append(
-        self, kind: int, name: str, mode: int, mtime: float, size: int, offset: int, link: str = ""
+        self,
+        kind: int,
+        name: str,
+        mode: int,
+        mtime: float,
+        size: int,
+        offset: int,
+        link: str = "",
+        crc: int = 0,
     ) -> None:
+        """Add a member (``crc`` is kept when the table has a CRC column: ``crcs`` set before the first)."""
         if "\0" in name:
             name = name.replace("\0", "_")
         self.kind.append(kind)
@@ -61,6 +78,8 @@ class MemberTable:
         self.size.append(size)
         self.offset.append(offset)
         self.names.append(name)
+        if self.crcs is not None:
+            self.crcs.append(crc)
         if kind in (SYMLINK, HARDLINK):
             self.links[len(self.names) - 1] = link.replace("\0", "_")
 
@@ -79,11 +98,14 @@ class MemberTable:
         add = builder.add
         links = self.links
         names = self.names
+        crcs = self.crcs
+        file_flags = 0 if crcs is None else MEMBER_CRC
         for i, (kind, mode, mtime, size, offset) in enumerate(
             zip(self.kind, self.mode, self.mtime, self.size, self.offset)
         ):
             if kind == FILE:
-                add(names[i], FILE, mode, mtime, size, IN_STREAM, offset, size, 0)
+                crc = 0 if crcs is None else crcs[i]
+                add(names[i], FILE, mode, mtime, size, IN_STREAM, offset, size, crc, file_flags)
             elif kind == DIR:
                 add(names[i], DIR, mode, mtime, 0, IN_STREAM, 0, 0, 0)
             elif kind == SYMLINK:
@@ -104,13 +126,19 @@ class MemberTable:
             "n": len(self.names),
             "links": len(link_ids),
             "stream_size": self.stream_size,
+            "crc": int(self.crcs is not None),
         }
         names = "\0".join(self.names).encode("utf-8", "surrogateescape")
         link_text = "\0".join(self.links[i] for i in link_ids).encode("utf-8", "surrogateescape")
         header["names_bytes"] = len(names)
         header["links_bytes"] = len(link_text)
         parts = [json.dumps(header, separators=(",", ":")).encode() + b"\n"]
-        for col in (self.mode, self.mtime, self.size, self.offset, link_ids):
+        cols = [self.mode, self.mtime, self.size, self.offset, link_ids]
+        if self.crcs is not None:
+            if len(self.crcs) != len(self.names):
+                raise ValueError("member table has a CRC column of the wrong length")
+            cols.append(self.crcs)
+        for col in cols:
             parts.append(_le_bytes(col))
         parts += [bytes(self.kind), names, link_text]
         return b"".join(parts)
@@ -125,8 +153,11 @@ class MemberTable:
             header = json.loads(bytes(data[:nl]))
             if not isinstance(header, dict):  # valid JSON, but a number or a list has no .get
                 raise MemberTableError("member table header is not a JSON object")
-            if header.get("v") != ENCODING_VERSION:
+            if header.get("v") not in READABLE_VERSIONS:
                 raise MemberTableError(f"member table version {header.get('v')} is not supported")
+            has_crc = header.get("crc", 0)
+            if has_crc not in (0, 1):
+                raise MemberTableError("bad member table header (crc flag)")
             n = int(header["n"])
             n_links = int(header["links"])
             names_bytes = int(header["names_bytes"])
@@ -138,7 +169,8 @@ class MemberTable:
         table.stream_size = stream_size
         pos = nl + 1
         cols = []
-        for typecode, count in (("H", n), ("d", n), ("Q", n), ("Q", n), ("I", n_links)):
+        layout = [("H", n), ("d", n), ("Q", n), ("Q", n), ("I", n_links)] + [("I", n)] * has_crc
+        for typecode, count in layout:
             col = array(typecode)
             nbytes = count * col.itemsize
             if pos + nbytes > len(data):
@@ -150,7 +182,9 @@ class MemberTable:
             pos += nbytes
         if pos + n + names_bytes + links_bytes != len(data):
             raise MemberTableError("member table has the wrong length")
-        table.mode, table.mtime, table.size, table.offset, link_ids = cols
+        table.mode, table.mtime, table.size, table.offset, link_ids = cols[:5]
+        if has_crc:
+            table.crcs = cols[5]
         table.kind = bytearray(data[pos : pos + n])
         pos += n
         try:
