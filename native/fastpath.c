@@ -67,9 +67,11 @@ typedef struct {
     getattr_fn py_getattr;
     read_fn py_read;
     /* The container extent (decoded tar stream bytes) the Python reader served last: reads that
-     * fall inside it are copied in C. hot_obj is a bytes object this table holds a reference to. */
+     * fall inside it are copied in C. hot_view is a buffer export this table holds (bytes, or the
+     * mmap a frame was decoded into), so the memory stays valid while C reads from it. */
     pthread_mutex_t hot_lock;
-    PyObject *hot_obj;
+    Py_buffer hot_view;
+    int hot_held;
     const char *hot_buf;
     int64_t hot_start, hot_len;
     atomic_ullong getattr_fast, getattr_slow, read_fast, read_slow, bytes_fast, bytes_source;
@@ -318,7 +320,8 @@ FastPath_dealloc(FastPath *self)
         active = NULL;
     for (int i = 0; i < self->ncols_held; i++)
         PyBuffer_Release(&self->cols[i]);
-    Py_XDECREF(self->hot_obj);
+    if (self->hot_held)
+        PyBuffer_Release(&self->hot_view);
     if (self->lookup)
         pthread_mutex_destroy(&self->hot_lock);
     PyMem_RawFree(self->slots);
@@ -432,24 +435,29 @@ FastPath_set_hot(FastPath *self, PyObject *args)
 {
     long long start;
     PyObject *data;
-    if (!PyArg_ParseTuple(args, "LO!", &start, &PyBytes_Type, &data))
+    if (!PyArg_ParseTuple(args, "LO", &start, &data))
         return NULL;
     if (!self->lookup) {
         PyErr_SetString(PyExc_RuntimeError, "FastPath is not initialised");
         return NULL;
     }
-    Py_INCREF(data);
-    PyObject *old;
+    Py_buffer view, old;
+    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    int had;
     Py_BEGIN_ALLOW_THREADS /* a C reader may be copying out of the old extent */
     pthread_mutex_lock(&self->hot_lock);
     Py_END_ALLOW_THREADS
-    old = self->hot_obj;
-    self->hot_obj = data;
-    self->hot_buf = PyBytes_AS_STRING(data);
+    old = self->hot_view;
+    had = self->hot_held;
+    self->hot_view = view;
+    self->hot_held = 1;
+    self->hot_buf = view.buf;
     self->hot_start = start;
-    self->hot_len = PyBytes_GET_SIZE(data);
+    self->hot_len = view.len;
     pthread_mutex_unlock(&self->hot_lock);
-    Py_XDECREF(old);
+    if (had)
+        PyBuffer_Release(&old);
     Py_RETURN_NONE;
 }
 
@@ -485,7 +493,7 @@ static PyMethodDef FastPath_methods[] = {
      "Serve from this table; returns the C callbacks to put in fuse_operations."},
     {"lookup", (PyCFunction)FastPath_lookup, METH_O, "lookup(path) -> entry id or -1 (for tests)"},
     {"set_hot", (PyCFunction)FastPath_set_hot, METH_VARARGS,
-     "set_hot(start, data): the container-stream extent at `start` that reads may be served from in C"},
+     "set_hot(start, data): the container-stream extent (any buffer) at `start` that reads may be served from in C"},
     {"stats", (PyCFunction)FastPath_stats, METH_NOARGS, "Counters of requests served in C and passed on."},
     {NULL},
 };
