@@ -22,6 +22,7 @@ REQUIRE_NATIVE = os.environ.get("CDMLFS_REQUIRE_NATIVE") == "1"
 # Each extension's sources; everything else under native/ is shared headers.
 NATIVE_SOURCES = ["native/cdmlfs_native.c"]
 FASTPATH_SOURCES = ["native/fastpath.c"]
+ZSTDFRAME_SOURCES = ["native/zstdframe.c"]
 
 
 def _warn(message: str) -> None:
@@ -44,15 +45,15 @@ def _pkg_config(*args: str) -> list[str] | None:
     return shlex.split(out)
 
 
-def _libdeflate_flags() -> tuple[list[str], list[str]]:
-    """Compile and link flags for libdeflate, from pkg-config when it knows them."""
-    cflags = _pkg_config("--cflags", "libdeflate")
-    libs = _pkg_config("--libs", "libdeflate")
+def _library_flags(package: str, fallback: str) -> tuple[list[str], list[str]]:
+    """Compile and link flags for a C library, from pkg-config when it knows them."""
+    cflags = _pkg_config("--cflags", package)
+    libs = _pkg_config("--libs", package)
     if cflags is None or libs is None:
         # No pkg-config or no .pc file: the library may still be in the default
         # paths; if not, the compile fails and OptionalBuildExt reports it.
-        _warn("pkg-config does not know libdeflate; trying the default paths with -ldeflate")
-        return [], ["-ldeflate"]
+        _warn(f"pkg-config does not know {package}; trying the default paths with {fallback}")
+        return [], [fallback]
     return cflags, libs
 
 
@@ -70,9 +71,13 @@ class OptionalBuildExt(build_ext):
 
     def build_extension(self, ext: Extension) -> None:
         # Asked here, not at import, so that pip's several setup.py runs warn once.
-        cflags, libs = _libdeflate_flags()
+        if ext.name == ZSTDFRAME.name:
+            cflags, libs = _library_flags("libzstd", "-lzstd")
+        else:
+            cflags, libs = _library_flags("libdeflate", "-ldeflate")
+            libs = [*libs, "-lz"]
         ext.extra_compile_args = [*cflags, "-std=gnu11", "-fvisibility=hidden"]
-        ext.extra_link_args = [*libs, "-lz"]
+        ext.extra_link_args = libs
         try:
             super().build_extension(ext)
         except (PlatformError, CCompilerError, ExecError, OSError) as exc:
@@ -82,10 +87,10 @@ class OptionalBuildExt(build_ext):
         if REQUIRE_NATIVE:
             raise exc
         _warn(
-            f"building the C accelerator cdmlfs._native failed ({exc}).\n"
-            "cdmlfs will work, using the slower pure-Python inflate. To build it, install\n"
-            "a C compiler, pkg-config, libdeflate and zlib headers (Debian: build-essential\n"
-            "pkg-config libdeflate-dev zlib1g-dev) and reinstall."
+            f"building a C accelerator (cdmlfs._native, _fastpath or _zstdframe) failed ({exc}).\n"
+            "cdmlfs will work, using the slower pure-Python inflate and zstd paths. To build\n"
+            "it, install a C compiler, pkg-config, libdeflate, zlib and zstd headers (Debian:\n"
+            "build-essential pkg-config libdeflate-dev zlib1g-dev libzstd-dev) and reinstall."
         )
 
 
@@ -99,4 +104,7 @@ NATIVE = Extension(
 # The FUSE hot path in C (getattr/read callbacks); see native/fastpath.c.
 FASTPATH = Extension("cdmlfs._fastpath", sources=FASTPATH_SOURCES, optional=not REQUIRE_NATIVE)
 
-setup(ext_modules=[NATIVE, FASTPATH], cmdclass={"build_ext": OptionalBuildExt})
+# Frame-by-frame zstd decoding into caller buffers (libzstd); see native/zstdframe.c.
+ZSTDFRAME = Extension("cdmlfs._zstdframe", sources=ZSTDFRAME_SOURCES, optional=not REQUIRE_NATIVE)
+
+setup(ext_modules=[NATIVE, FASTPATH, ZSTDFRAME], cmdclass={"build_ext": OptionalBuildExt})

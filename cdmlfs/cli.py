@@ -241,6 +241,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     name, detail = inflate.backend()
     print(f"cdmlfs {__version__}")
     print(f"inflate backend: {name} ({detail})")
+    from cdmlfs.formats import zstdframes
+
+    print(f"zstd frame decoder: {zstdframes.backend()}")
     fuse_major = None
     try:
         from cdmlfs.fuse_ops import load_mfusepy

@@ -15,6 +15,9 @@ How each kind of member is served:
   forward chunks when large (a backward read restarts from the member's start).
 * **in-stream** (tar, tar.zst) — the format's container stream splits a byte
   range into extents (zstd frames) that are decoded and cached one by one.
+  A member with its own CRC (written by ``cdmlfs pack``) is served as soon as
+  its frame is decoded up to the member's end and the CRC checks; the stream
+  finishes the frame in the background (:mod:`cdmlfs.formats.zstdframes`).
 
 Every decode reserves its output size in the cache first, so held + in-flight
 decoded bytes never exceed the cache limit.
@@ -35,7 +38,7 @@ from cdmlfs.errors import (
     MemberError,
     UnsupportedMethodError,
 )
-from cdmlfs.index import DEFLATE, ENCRYPTED, IN_STREAM, STORED, Index
+from cdmlfs.index import DEFLATE, ENCRYPTED, IN_STREAM, MEMBER_CRC, STORED, Index
 from cdmlfs.sources.base import Source
 
 WHOLE_MEMBER_MAX = 64 << 20
@@ -94,6 +97,10 @@ class ExtentReader:
         self._build_locks: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
         self.stream: ContainerStream | None = getattr(fmt, "stream", None)
+        # Decoded stream bytes before their extent is finished (zstd frames of packed archives).
+        self._member_bytes: Callable[[int, int], memoryview | None] | None = getattr(
+            self.stream, "member_bytes", None
+        )
         self._source_read_into = getattr(fmt.source, "read_into", None)
         if self.stream is not None and hasattr(self.stream, "bound_extents"):
             # A container extent (a whole zstd frame) is reserved in one piece: it must fit this cache.
@@ -205,6 +212,10 @@ class ExtentReader:
             if method == STORED:
                 return self._read_stored(eid, offset, size, total)
             if method == IN_STREAM:
+                if ix.flags[eid] & MEMBER_CRC and self._member_bytes is not None:
+                    data = self._read_checked_member(eid, offset, size, total)
+                    if data is not None:
+                        return data
                 return self._read_in_stream(ix.offset[eid] + offset, size)
             if method == DEFLATE:
                 if total <= self.whole_limit:
@@ -404,6 +415,16 @@ class ExtentReader:
                     return chunk
 
     # -- containers ----------------------------------------------------------
+    def _read_checked_member(self, eid: int, offset: int, size: int, total: int) -> memoryview | None:
+        """A member decoded only as far as its end, served once its own CRC checks (or None)."""
+        whole = self._member_bytes(self.index.offset[eid], total)  # type: ignore[misc]
+        if whole is None:
+            return None
+        if not self._verified[eid]:
+            _check_crc(whole, self.index.crc[eid])
+            self._verified[eid] = 1
+        return whole[offset : offset + size]
+
     def _read_in_stream(self, offset: int, size: int) -> bytes:
         stream = self.stream
         if stream is None:
@@ -421,7 +442,7 @@ class ExtentReader:
             lo = max(offset - start, 0)
             hi = min(end - start, length)
             parts.append(_view(chunk, lo, hi))
-        if self.on_extent is not None and type(chunk) is bytes and key != self._hot_key:
+        if self.on_extent is not None and key != self._hot_key:
             self._hot_key = key
             self.on_extent(start, chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)

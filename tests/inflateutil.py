@@ -12,13 +12,13 @@ import pytest
 REQUIRE_NATIVE = os.environ.get("CDMLFS_REQUIRE_NATIVE") == "1"
 
 
-def native_module():
+def native_module(name: str = "cdmlfs._native"):
     try:
-        return importlib.import_module("cdmlfs._native")
+        return importlib.import_module(name)
     except ImportError as exc:
         if REQUIRE_NATIVE:
-            pytest.fail(f"CDMLFS_REQUIRE_NATIVE=1 but cdmlfs._native does not import: {exc}")
-        pytest.skip(f"cdmlfs._native not built: {exc}")
+            pytest.fail(f"CDMLFS_REQUIRE_NATIVE=1 but {name} does not import: {exc}")
+        pytest.skip(f"{name} not built: {exc}")
 
 
 def english_like(n: int, seed: int) -> bytes:

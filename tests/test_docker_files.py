@@ -312,13 +312,13 @@ def test_dockerfile_stages_and_contents() -> None:
     final = [(i, v) for s, i, v in rows if s == 1]
     final_run = " ".join(v for i, v in final if i == "RUN")
 
-    # Builder: compiler and headers for the libdeflate accelerator, required to build.
-    for pkg in ("gcc", "pkg-config", "libdeflate-dev", "zlib1g-dev"):
+    # Builder: compiler and headers for the C accelerators, required to build.
+    for pkg in ("gcc", "pkg-config", "libdeflate-dev", "zlib1g-dev", "libzstd-dev"):
         assert pkg in build.split(), pkg
     assert "CDMLFS_REQUIRE_NATIVE=1" in build
     assert '".[s3]"' in build
-    # Runtime: FUSE user space and the libdeflate runtime, no compilers or headers.
-    assert {"fuse3", "libdeflate0"} <= set(final_run.split())
+    # Runtime: FUSE user space and the libdeflate/libzstd runtimes, no compilers or headers.
+    assert {"fuse3", "libdeflate0", "libzstd1"} <= set(final_run.split())
     assert not re.search(r"\bgcc\b|-dev\b|build-essential", final_run)
     assert '"cdmlfs[s3]"' in final_run
     assert "--no-index" in final_run

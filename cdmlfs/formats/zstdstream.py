@@ -32,6 +32,7 @@ import bisect
 import contextlib
 import io
 import logging
+import mmap
 import os
 import queue
 import threading
@@ -43,6 +44,7 @@ import zstandard
 
 from cdmlfs.cache import ExtentCache
 from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, SourceError
+from cdmlfs.formats import zstdframes
 from cdmlfs.sources.base import Source
 from cdmlfs.zstd_seekable import Frame, parse_frame_header
 
@@ -222,6 +224,7 @@ class ZstdStream:
         self.piece = DEFAULT_PIECE
         self._fd = source.fileno() if hasattr(source, "fileno") else None
         self._cache: ExtentCache | None = None
+        self._spare_size = 0  # > 0: frames go through a FrameWorker (see bound_extents)
         self._reset_process_state()
         self.frame_decodes = 0  # whole frames decoded (for stats and tests)
         self.restarts = 0  # forward decoders started at a frame's beginning
@@ -236,6 +239,11 @@ class ZstdStream:
         self._queue: queue.Queue[Hashable] = queue.Queue(maxsize=max(1, PREFETCH_DEPTH))
         self._worker: threading.Thread | None = None
         self._seen: Hashable | None = None
+        self._frames: zstdframes.FrameWorker | None = None
+        if self._spare_size and self._cache is not None:
+            self._frames = zstdframes.FrameWorker(
+                self._cache, self._spare_size, self.source, self._frame_span
+            )
 
     def bound_extents(self, whole_max: int, piece: int, cache: ExtentCache | None = None) -> None:
         """Called once by the reader: one decode must fit its cache budget.
@@ -247,6 +255,16 @@ class ZstdStream:
         self.whole_max = max(whole_max, piece)
         self.piece = piece
         self._cache = cache
+        whole = [s for s in self.frames.dec_size if s <= self.whole_max]
+        largest = max(whole, default=0)
+        if (
+            cache is not None
+            and zstdframes.ENABLED
+            and largest >= zstdframes.MIN_FRAME
+            and cache.limit >= 8 * largest
+        ):
+            self._spare_size = largest
+            self._frames = zstdframes.FrameWorker(cache, largest, self.source, self._frame_span)
         big = [s for s in self.frames.dec_size if s > self.whole_max]
         if big:
             log.warning(
@@ -393,22 +411,73 @@ class ZstdStream:
             got += n
         return view
 
-    def _decode_frame(self, i: int) -> bytes:
+    def _check_frame(self, i: int, head: bytes | memoryview) -> str:
+        """Sanity of frame ``i`` against the table before decoding; returns its name for errors."""
         fr = self.frames
         where = f"zstd frame #{i} at offset {fr.comp_offset[i]}"
         expected = fr.dec_size[i]
         if fr.comp_size[i] > expected + (expected >> 7) + (1 << 17):
             # zstd never expands data this much: a lying table must not make us read gigabytes
             raise CorruptMemberError(f"{where} is {fr.comp_size[i]} bytes for {expected} decoded bytes")
-        comp = self._read_compressed(fr.comp_offset[i], fr.comp_size[i])
         try:
-            header = parse_frame_header(comp, fr.comp_offset[i])
+            header = parse_frame_header(head, fr.comp_offset[i])
         except ValueError as exc:
             raise CorruptMemberError(f"{where}: {exc}") from None
         if header.content_size is not None and header.content_size != expected:
             raise CorruptMemberError(
                 f"{where} declares {header.content_size} bytes but the index says {expected}"
             )
+        return where
+
+    def _frame_span(self, i: int) -> zstdframes.FrameSpan:
+        """Frame ``i`` for :class:`zstdframes.FrameWorker`, its header checked against the table."""
+        fr = self.frames
+        where = self._check_frame(i, self.source.read_at(fr.comp_offset[i], min(18, fr.comp_size[i])))
+        return zstdframes.FrameSpan(where, fr.comp_offset[i], fr.comp_size[i], fr.dec_size[i])
+
+    def member_bytes(self, offset: int, size: int) -> memoryview | None:
+        """Decoded bytes ``[offset, offset + size)`` of the stream before their frame is finished.
+
+        For a member whose own CRC the caller checks (packed archives): the
+        frame is decoded up to the member's end and finished in the background.
+        None when that does not apply (frame cached, member across frames,
+        no frame worker, too many frames in flight): use the extents.
+        """
+        frames = self._frames
+        if frames is None:
+            return None
+        if self._pid != os.getpid():
+            self._reset_process_state()
+            frames = self._frames
+            if frames is None:
+                return None
+        fr = self.frames
+        i = bisect.bisect_right(fr.dec_offset, offset) - 1
+        if i < 0:
+            return None
+        lo = offset - fr.dec_offset[i]
+        length = fr.dec_size[i]
+        if lo + size > length or length > self.whole_max or length < zstdframes.MIN_FRAME:
+            return None
+        p = frames.partial(i, ("zf", i), length)
+        if p is None:
+            return None
+        try:
+            p.advance(lo + size)
+        finally:
+            frames.finish_later(p)
+        return p.view[lo : lo + size]
+
+    def _decode_frame(self, i: int) -> bytes | mmap.mmap:
+        fr = self.frames
+        expected = fr.dec_size[i]
+        frames = self._frames
+        if frames is not None and zstdframes.MIN_FRAME <= expected <= self.whole_max:
+            data = frames.decode_whole(i)
+            self.frame_decodes += 1
+            return data
+        comp = self._read_compressed(fr.comp_offset[i], fr.comp_size[i])
+        where = self._check_frame(i, comp)
         try:
             data = self._dctx().decompress(comp, max_output_size=expected, allow_extra_data=False)
         except zstandard.ZstdError as exc:

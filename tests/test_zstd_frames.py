@@ -1,0 +1,302 @@
+"""Early members and frame decodes into pre-faulted buffers (cdmlfs.formats.zstdframes, cdmlfs._zstdframe).
+
+A member of a packed archive is served once its frame is decoded up to the
+member's end and its own CRC checks; the rest of the frame is finished in the
+background and cached. These tests drive that through the real decoder (C and
+python-zstandard), the real cache and a real FUSE mount.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import threading
+import time
+import zlib
+from array import array
+from pathlib import Path
+
+import pytest
+import zstandard
+from inflateutil import english_like, native_module
+from mountutil import daemon_pid, is_mounted, mounted
+from test_tar_support import cdmlfs_pack
+
+from cdmlfs.archive import Archive
+from cdmlfs.errors import CorruptMemberError
+from cdmlfs.formats import zstdframes
+from cdmlfs.formats.tarmembers import MemberTable, MemberTableError
+from cdmlfs.index import FILE, MEMBER_CRC
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """~6 MiB of members, text and incompressible, 20-200 KB each."""
+    root = tmp_path_factory.mktemp("frames") / "src"
+    rng = random.Random(7)
+    for i in range(60):
+        d = root / f"c{i % 3}"
+        d.mkdir(parents=True, exist_ok=True)
+        size = rng.randrange(20_000, 200_000)
+        data = english_like(size, i) if i % 2 else rng.randbytes(size)
+        (d / f"m{i:02d}.bin").write_bytes(data)
+    return root
+
+
+@pytest.fixture(scope="module")
+def packed(src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return cdmlfs_pack(src, tmp_path_factory.mktemp("packed") / "p.tar.zst", "--frame-size", "1M")
+
+
+@pytest.fixture(params=["native", "python"])
+def decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "native":
+        native_module("cdmlfs._zstdframe")
+        monkeypatch.setattr(zstdframes, "NATIVE", True)
+    else:
+        monkeypatch.setattr(zstdframes, "NATIVE", False)
+    return request.param
+
+
+def _frame_bytes(archive: Path, ar: Archive, i: int) -> bytes:
+    fr = ar.format.stream.frames
+    with open(archive, "rb") as f:
+        f.seek(fr.comp_offset[i])
+        return zstandard.ZstdDecompressor().decompress(f.read(fr.comp_size[i]))
+
+
+def _wait_cached(ar: Archive, key: tuple, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = ar.cache.peek(key)
+        if value is not None:
+            return value
+        time.sleep(0.005)
+    raise AssertionError(f"{key} never entered the cache")
+
+
+def _members_of_frame(ar: Archive, i: int) -> list[str]:
+    fr = ar.format.stream.frames
+    lo, hi = fr.dec_offset[i], fr.dec_offset[i] + fr.dec_size[i]
+    ix = ar.index
+    return [p for p in ar.archive_order() if lo <= ix.offset[ix.lookup(p)] and ix.offset[ix.lookup(p)] < hi]
+
+
+# -- the member table carries CRCs ---------------------------------------------------------------
+def test_packed_members_carry_crcs_and_old_tables_still_decode(
+    packed: Path, src: Path, tmp_path: Path
+) -> None:
+    with Archive(str(packed), index_dir=str(tmp_path / "idx")) as ar:
+        ix = ar.index
+        for path in ar.files():
+            eid = ix.lookup(path)
+            assert ix.flags[eid] & MEMBER_CRC
+            assert ix.crc[eid] == zlib.crc32((src / path).read_bytes())
+    table = MemberTable()
+    table.crcs = array("I")
+    table.append(FILE, "a", 0o644, 0.0, 3, 512, crc=0xDEADBEEF)
+    table.stream_size = 2048
+    again = MemberTable.decode(table.encode())
+    assert list(again.crcs) == [0xDEADBEEF]
+    # A version-1 table (before CRCs) decodes, without them.
+    table.crcs = None
+    v1 = table.encode().replace(b'"v":2', b'"v":1', 1).replace(b',"crc":0', b"", 1)
+    old = MemberTable.decode(v1)
+    assert old.crcs is None and old.names == ["a"]
+    assert not old.build_index().flags[1] & MEMBER_CRC
+    with pytest.raises(MemberTableError):
+        MemberTable.decode(table.encode().replace(b'"crc":0', b'"crc":7', 1))
+
+
+# -- early members ------------------------------------------------------------------------------
+def test_member_is_served_before_its_frame_is_finished_then_the_frame_is_cached(
+    packed: Path, src: Path, tmp_path: Path, decoder: str
+) -> None:
+    with Archive(str(packed), index_dir=str(tmp_path / "idx")) as ar:
+        stream = ar.format.stream
+        worker = stream._frames
+        assert worker is not None, "1 MiB frames with a 512 MiB cache go through the frame worker"
+        i = 2
+        members = _members_of_frame(ar, i)
+        assert len(members) >= 3
+        first = members[len(members) // 2]
+        assert ar.read(first) == (src / first).read_bytes()
+        assert worker.early_frames == 1
+        frame = _wait_cached(ar, ("zf", i))  # finished in the background, zstd checksum verified
+        assert bytes(frame) == _frame_bytes(packed, ar, i)
+        assert stream.frame_decodes == 0  # nobody decoded the frame a second time
+        for path in members:
+            assert ar.read(path) == (src / path).read_bytes()
+        assert worker.early_frames == 1
+        # Everything, in a shuffled order, from 4 threads: same bytes, bound respected.
+        paths = ar.files()
+        random.Random(3).shuffle(paths)
+        errors: list[str] = []
+        peak = [0]
+
+        def read_some(part: list[str]) -> None:
+            for p in part:
+                if ar.read(p) != (src / p).read_bytes():
+                    errors.append(p)
+                peak[0] = max(peak[0], ar.cache.held + ar.cache.reserved)
+
+        threads = [threading.Thread(target=read_some, args=(paths[k::4],)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert peak[0] <= ar.cache.limit
+
+
+def test_small_cache_and_disabled_worker_decode_whole_frames(packed: Path, src: Path, tmp_path: Path) -> None:
+    with Archive(str(packed), cache_size=4 * MiB, index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.format.stream._frames is None  # 4 spares would not fit: plain whole-frame decodes
+        for path in ar.files():
+            assert ar.read(path) == (src / path).read_bytes()
+
+
+def test_spares_stay_within_the_cache_and_are_used(packed: Path, src: Path, tmp_path: Path) -> None:
+    with Archive(str(packed), cache_size=64 * MiB, index_dir=str(tmp_path / "idx")) as ar:
+        worker = ar.format.stream._frames
+        assert worker is not None and worker.max_spares >= 1
+        frames = ar.format.stream.frames
+        for i in range(len(frames)):
+            members = _members_of_frame(ar, i)
+            if members:
+                assert ar.read(members[0]) == (src / members[0]).read_bytes()
+                _wait_cached(ar, ("zf", i))
+            assert len(worker._spares) <= worker.max_spares
+            assert ar.cache.held + ar.cache.reserved <= ar.cache.limit
+        assert worker.spares_used >= 1  # waiting for each frame left time to prepare spares
+
+
+def test_forked_child_reads_with_its_own_worker(packed: Path, src: Path, tmp_path: Path) -> None:
+    with Archive(str(packed), index_dir=str(tmp_path / "idx")) as ar:
+        paths = ar.archive_order()
+        assert ar.read(paths[5]) == (src / paths[5]).read_bytes()  # the parent's worker thread runs
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through its exit status
+            try:
+                ok = all(ar.read(p) == (src / p).read_bytes() for p in reversed(paths))
+                os._exit(0 if ok else 1)
+            except BaseException:
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+
+
+# -- corruption: never a wrong byte ---------------------------------------------------------------
+def _corrupt_raw_block(archive: Path, tmp_path: Path) -> tuple[int, list[str], str]:
+    """Flip one byte that zstd stores as it is (literals of incompressible data) inside frame 1:
+    decoding succeeds, so only the member's CRC and the frame checksum can notice."""
+    with Archive(str(archive), index_dir=str(tmp_path / "idx0")) as ar:
+        ix = ar.index
+        fr = ar.format.stream.frames
+        members = _members_of_frame(ar, 1)
+        frame = _frame_bytes(archive, ar, 1)
+        with open(archive, "rb") as f:
+            f.seek(fr.comp_offset[1])
+            comp = f.read(fr.comp_size[1])
+        for victim in members[1:]:  # a member some of whose bytes are stored as they are
+            start = ix.offset[ix.lookup(victim)] - fr.dec_offset[1]
+            size = ix.size[ix.lookup(victim)]
+            hits = [comp.find(frame[start + k : start + k + 32]) for k in range(0, size - 32, 997)]
+            pos = max(hits, default=-1)
+            if pos > 0:
+                break
+        else:
+            raise AssertionError("no member of frame 1 is stored raw")
+        with open(archive, "r+b") as f:
+            f.seek(fr.comp_offset[1] + pos + 5)
+            byte = f.read(1)
+            f.seek(fr.comp_offset[1] + pos + 5)
+            f.write(bytes([byte[0] ^ 0x01]))
+        return 1, members, victim
+
+
+def test_raw_block_corruption_gives_eio_never_wrong_bytes(
+    packed: Path, src: Path, tmp_path: Path, decoder: str
+) -> None:
+    archive = tmp_path / "bad.tar.zst"
+    archive.write_bytes(packed.read_bytes())
+    _, members, victim = _corrupt_raw_block(archive, tmp_path)
+    before = members[: members.index(victim)]
+    with Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
+        for path in before:  # served early: their own CRCs check
+            assert ar.read(path) == (src / path).read_bytes()
+        with pytest.raises(CorruptMemberError, match=r"CRC|checksum"):
+            ar.read(victim)
+        for path in members:  # every member of the frame: its exact bytes, or an error
+            try:
+                data = ar.read(path)
+            except CorruptMemberError:
+                assert path == victim
+            else:
+                assert data == (src / path).read_bytes()
+        time.sleep(0.2)
+        assert ar.cache.peek(("zf", 1)) is None  # the frame checksum failed: never cached
+
+
+@pytest.mark.fuse
+def test_raw_block_corruption_through_the_mount(packed: Path, src: Path, tmp_path: Path, mnt: Path) -> None:
+    archive = tmp_path / "bad.tar.zst"
+    archive.write_bytes(packed.read_bytes())
+    _, members, victim = _corrupt_raw_block(archive, tmp_path)
+    with mounted(archive, mnt, "--index-dir", str(tmp_path / "idx")):
+        pid = daemon_pid(mnt)
+        for path in members[::-1] + members:
+            try:
+                data = (mnt / path).read_bytes()
+            except OSError as exc:
+                assert exc.errno == errno.EIO and path == victim
+            else:
+                assert data == (src / path).read_bytes()
+        with pytest.raises(OSError) as exc:
+            (mnt / victim).read_bytes()
+        assert exc.value.errno == errno.EIO
+        assert is_mounted(mnt)
+        assert pid is not None
+        os.kill(pid, 0)
+
+
+# -- the C decoder on its own ---------------------------------------------------------------------
+def test_native_frame_decoder_checks_size_and_checksum(tmp_path: Path) -> None:
+    mod = native_module("cdmlfs._zstdframe")
+    data = english_like(300_000, 1) + random.Random(1).randbytes(200_000)
+    comp = zstandard.ZstdCompressor(level=3, write_checksum=True).compress(data)
+    dec = mod.FrameDecoder()
+    out = bytearray(len(data))
+    dec.start(out)
+    for k in range(0, len(comp), 7_000):
+        dec.feed(comp[k : k + 7_000])
+    assert dec.done and dec.pos == len(data) and bytes(out) == data
+    dec.release()
+    path = tmp_path / "f.zst"
+    path.write_bytes(b"pad" + comp)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        out = bytearray(len(data))
+        dec.start(out)
+        used = dec.feed_fd(fd, 3, len(comp), 1000)  # stops soon after 1000 bytes are final
+        assert 1000 <= dec.pos < len(data) and not dec.done and 0 < used < len(comp)
+        used += dec.feed_fd(fd, 3 + used, len(comp) - used, len(data))
+        assert dec.done and used == len(comp) and bytes(out) == data
+    finally:
+        os.close(fd)
+    bad = bytearray(comp)
+    bad[-1] ^= 1  # the checksum
+    for payload, size, what in (
+        (bytes(bad), len(data), "checksum"),
+        (comp, len(data) - 1, "small"),
+        (comp, len(data) + 1, "ended before"),
+        (comp + b"x", len(data), "after the end"),
+    ):
+        dec.start(bytearray(size))
+        with pytest.raises(mod.DecodeError, match=what):
+            dec.feed(payload)
+        with pytest.raises(RuntimeError):
+            dec.feed(comp)  # a failed decoder needs start() again
