@@ -15,8 +15,11 @@ What it measures (all through real FUSE mounts, archives warm in the page cache)
    Tools: cdmlfs and ratarmount on the same seekable 4 MiB-frame archive written
    by ``cdmlfs pack``, and on a ``pzstd`` archive of the same tar.
 3. **archive order from a single-frame tar.zst** (what ``tar --zstd`` writes):
-   cdmlfs reading every member in ``Archive.archive_order()`` through the mount
-   versus ``zstd -dc | tar -x`` into tmpfs (/dev/shm).
+   cdmlfs reading every member in ``Archive.archive_order()`` through the
+   Python API (what ``cdmlfs_torch`` does with ``ArchiveOrderSampler``; a fresh
+   ``Archive`` each round) and through the mount, versus ``zstd -dc | tar -x``
+   into tmpfs (/dev/shm). Through the mount every member costs FUSE round trips
+   (lookup, open, read) on top of the decode.
 
 The machine is shared and small: tools alternate round by round and the
 figures are medians over rounds; ratios are against baselines measured in the
@@ -171,6 +174,15 @@ def read_in_order(mnt: Path, order: list[str]) -> tuple[int, float]:
     return total, time.perf_counter() - t
 
 
+def read_in_order_api(archive: Path, index_dir: Path, order: list[str]) -> tuple[int, float]:
+    from cdmlfs.archive import Archive
+
+    with Archive(str(archive), index_dir=str(index_dir)) as ar:
+        t = time.perf_counter()
+        total = sum(len(ar.read(name)) for name in order)
+        return total, time.perf_counter() - t
+
+
 def pipeline_extract(archive: Path, dest: Path) -> float:
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
@@ -259,7 +271,8 @@ def main() -> int:
 
     rng = random.Random(1)
     results: dict[str, dict[str, list[float]]] = {name: {} for name in tools}
-    results["cdmlfs/single-frame archive order"] = {}
+    results["cdmlfs/single-frame archive order, api"] = {}
+    results["cdmlfs/single-frame archive order, mount"] = {}
     results["zstd -dc | tar -x (tmpfs)"] = {}
 
     def add(tool: str, key: str, value: float) -> None:
@@ -293,16 +306,20 @@ def main() -> int:
             add(tool, "read-all MB/s", total / elapsed / 1e6)
             log(f"round {r + 1}: {tool} done")
         # archive order from a single frame vs the pipeline, alternating which goes first
-        for step in ("pipe", "cdmlfs") if r % 2 else ("cdmlfs", "pipe"):
+        steps = ["pipe", "api", "mount"]
+        for step in steps[r % 3 :] + steps[: r % 3]:
             if step == "pipe":
                 elapsed = pipeline_extract(single, args.shm)
                 add("zstd -dc | tar -x (tmpfs)", "MB/s", data_bytes / elapsed / 1e6)
                 add("zstd -dc | tar -x (tmpfs)", "files/s", len(members) / elapsed)
+                continue
+            if step == "api":
+                total, elapsed = read_in_order_api(single, cidx, order)
             else:
                 with cdmlfs_mount(single, mnt, cidx) as m:
                     total, elapsed = read_in_order(m, order)
-                add("cdmlfs/single-frame archive order", "MB/s", total / elapsed / 1e6)
-                add("cdmlfs/single-frame archive order", "files/s", len(order) / elapsed)
+            add(f"cdmlfs/single-frame archive order, {step}", "MB/s", total / elapsed / 1e6)
+            add(f"cdmlfs/single-frame archive order, {step}", "files/s", len(order) / elapsed)
         log(f"round {r + 1}: single-frame archive order done")
 
     med = {tool: {k: statistics.median(v) for k, v in vals.items()} for tool, vals in results.items()}
@@ -322,8 +339,10 @@ def main() -> int:
             o = med[other]
             for key in ("random files/s", "read-all files/s"):
                 print(f"    {key} cdmlfs/seekable vs {other:20s} {c[key] / o[key]:6.1f}x")
-    s, p = med["cdmlfs/single-frame archive order"], med["zstd -dc | tar -x (tmpfs)"]
-    print(f"    single-frame archive order vs zstd|tar MB/s   {s['MB/s'] / p['MB/s']:.2f}")
+    p = med["zstd -dc | tar -x (tmpfs)"]
+    for way in ("API", "mount"):
+        s = med[f"cdmlfs/single-frame archive order, {way.lower()}"]
+        print(f"    single-frame archive order ({way:5s}) vs zstd|tar MB/s   {s['MB/s'] / p['MB/s']:.2f}")
     return 0
 
 
