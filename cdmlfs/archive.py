@@ -61,6 +61,16 @@ class Archive:
     def location(self) -> str:
         return self._location if self._location is not None else repr(self.source)
 
+    def warm_up(self) -> None:
+        """Prepare for the first reads in the background (pre-faulted zstd frame buffers).
+
+        The daemon calls it once it serves; a long-lived Python user may too.
+        Call it in the process that will read (threads do not survive a fork).
+        """
+        warm = getattr(getattr(self.format, "stream", None), "warm_up", None)
+        if warm is not None:
+            warm()
+
     def close(self) -> None:
         self.cache.clear()
         self.source.close()

@@ -9,8 +9,10 @@ python-zstandard), the real cache and a real FUSE mount.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import random
+import tarfile
 import threading
 import time
 import zlib
@@ -152,6 +154,29 @@ def test_member_is_served_before_its_frame_is_finished_then_the_frame_is_cached(
         assert peak[0] <= ar.cache.limit
 
 
+def test_foreign_frames_without_member_crcs_decode_whole_into_buffers(
+    src: Path, tmp_path: Path, decoder: str
+) -> None:
+    """Frames concatenated by another tool (no member CRCs): no early members, whole frames verified."""
+    plain = tmp_path / "t.tar"
+    with tarfile.open(plain, "w", format=tarfile.PAX_FORMAT) as tf:
+        tf.add(src, arcname=".")
+    data = plain.read_bytes()
+    comp = zstandard.ZstdCompressor(level=3, write_checksum=True, write_content_size=True)
+    archive = tmp_path / "t.tar.zst"
+    archive.write_bytes(b"".join(comp.compress(data[k : k + MiB]) for k in range(0, len(data), MiB)))
+    with Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
+        stream = ar.format.stream
+        assert stream._frames is not None and len(stream.frames) >= 4
+        paths = ar.files()
+        random.Random(5).shuffle(paths)
+        for path in paths:
+            assert ar.read(path) == (src / path).read_bytes()
+        assert stream._frames.early_frames == 0
+        assert stream.frame_decodes == len(stream.frames)
+        assert all(isinstance(ar.cache.peek(("zf", i)), mmap.mmap) for i in range(len(stream.frames)))
+
+
 def test_small_cache_and_disabled_worker_decode_whole_frames(packed: Path, src: Path, tmp_path: Path) -> None:
     with Archive(str(packed), cache_size=4 * MiB, index_dir=str(tmp_path / "idx")) as ar:
         assert ar.format.stream._frames is None  # 4 spares would not fit: plain whole-frame decodes
@@ -172,6 +197,21 @@ def test_spares_stay_within_the_cache_and_are_used(packed: Path, src: Path, tmp_
             assert len(worker._spares) <= worker.max_spares
             assert ar.cache.held + ar.cache.reserved <= ar.cache.limit
         assert worker.spares_used >= 1  # waiting for each frame left time to prepare spares
+
+
+def test_warm_up_fills_the_spares_inside_the_cache_bound(packed: Path, src: Path, tmp_path: Path) -> None:
+    with Archive(str(packed), cache_size=64 * MiB, index_dir=str(tmp_path / "idx")) as ar:
+        worker = ar.format.stream._frames
+        assert worker is not None and not worker._spares
+        ar.warm_up()
+        deadline = time.monotonic() + 10
+        while len(worker._spares) < worker.max_spares and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(worker._spares) == worker.max_spares
+        assert ar.cache.reserved == worker.max_spares * worker.spare_size  # counted against the bound
+        path = ar.archive_order()[3]
+        assert ar.read(path) == (src / path).read_bytes()
+        assert worker.spares_used == 1
 
 
 def test_forked_child_reads_with_its_own_worker(packed: Path, src: Path, tmp_path: Path) -> None:

@@ -410,6 +410,10 @@ class FrameWorker:
                     self._thread = threading.Thread(target=self._loop, name="cdmlfs-frames", daemon=True)
                     self._thread.start()
 
+    def prefill(self) -> None:
+        """Fill the spare pool now, in the background (a burst of first reads follows a mount)."""
+        self._wake()
+
     def _wake(self) -> None:
         """Ask the thread for a new spare (a decode just took it)."""
         if ENABLED:

@@ -435,6 +435,13 @@ class ZstdStream:
         where = self._check_frame(i, self.source.read_at(fr.comp_offset[i], min(18, fr.comp_size[i])))
         return zstdframes.FrameSpan(where, fr.comp_offset[i], fr.comp_size[i], fr.dec_size[i])
 
+    def warm_up(self) -> None:
+        """Have the frame worker's spare buffers faulted in before the first reads need them."""
+        if self._pid != os.getpid():
+            self._reset_process_state()
+        if self._frames is not None:
+            self._frames.prefill()
+
     def member_bytes(self, offset: int, size: int) -> memoryview | None:
         """Decoded bytes ``[offset, offset + size)`` of the stream before their frame is finished.
 
