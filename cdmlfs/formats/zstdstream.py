@@ -7,7 +7,9 @@ Tar members live at offsets of one byte stream: the file itself for a plain
 
 * :class:`RawStream` — plain tar: fixed 256 KiB blocks read straight from the source.
 * :class:`ZstdStream` — tar.zst: one extent per zstd frame, decoded in one call
-  when it fits the reader's per-decode budget (``whole_max``). A larger frame
+  when it fits the reader's per-decode budget (``whole_max``); frames of 512 KiB
+  and more go through :mod:`cdmlfs.formats.zstdframes` (pre-faulted buffers, and
+  members of packed archives served before their frame is finished). A larger frame
   (``tar --zstd`` writes one frame for the whole archive) is served in
   ``piece``-sized extents by a forward-only decoder per frame that stays where
   the last read ended: reading in archive order costs one decoding pass; a
