@@ -90,7 +90,7 @@ class OptionalBuildExt(build_ext):
             f"building a C accelerator (cdmlfs._native, _fastpath or _zstdframe) failed ({exc}).\n"
             "cdmlfs will work, using the slower pure-Python inflate and zstd paths. To build\n"
             "it, install a C compiler, pkg-config, libdeflate, zlib and zstd headers (Debian:\n"
-            "build-essential pkg-config libdeflate-dev zlib1g-dev libzstd-dev) and reinstall."
+            "build-essential pkg-config libdeflate-dev zlib1g-dev libzstd-dev libxxhash-dev) and reinstall."
         )
 
 

@@ -7,6 +7,10 @@
  * Every call that decodes releases the GIL; reads from a file descriptor happen in the same
  * GIL-free call (pread + decode), the way cdmlfs._native does for deflate.
  *
+ * The frame checksum (XXH64 of the content) is checked by us, in one pass over the buffer once
+ * the frame ends, not by zstd while it decodes: a reader that only needs a prefix (a member
+ * with its own CRC) does not pay for hashing it, and the thread that finishes the frame does.
+ *
  * Use: d = FrameDecoder(); d.start(buffer)  (buffer: writable, exactly the frame's size);
  * then d.feed(chunk) or d.feed_fd(fd, offset, length, until) until d.done; d.release()
  * lets go of the buffer. A frame that needs more room than the buffer, or ends early,
@@ -23,9 +27,13 @@
 
 #define ZSTD_STATIC_LINKING_ONLY /* ZSTD_d_stableOutBuffer (stable since zstd 1.5.x, still behind this) */
 #include <zstd.h>
-#include <zstd_errors.h>
+#define XXH_INLINE_ALL /* header-only use of the system xxhash (libxxhash-dev): nothing to link */
+#include <xxhash.h>
 
-#define FD_CHUNK (64 << 10) /* compressed bytes per pread: an early reader stops soon after its bytes */
+/* Compressed bytes per pread: small while a reader waits for a prefix (it stops soon after its
+ * bytes), large when decoding on to the frame's end (fewer calls). */
+#define FD_CHUNK_PREFIX (32 << 10)
+#define FD_CHUNK (256 << 10)
 
 static PyObject *DecodeError;
 
@@ -40,7 +48,38 @@ typedef struct {
     int busy;
     unsigned char *scratch; /* FD_CHUNK bytes for feed_fd */
     int window_log_max;
+    int has_checksum;       /* -1: header not seen yet */
+    unsigned char tail[4];  /* the last 4 input bytes consumed: the checksum, once the frame ends */
+    size_t total_in;
 } FrameDecoder;
+
+/* Keep the last 4 bytes of everything consumed so far. */
+static void
+remember_tail(FrameDecoder *d, const unsigned char *src, size_t n)
+{
+    if (n >= 4) {
+        memcpy(d->tail, src + n - 4, 4);
+    }
+    else if (n > 0) {
+        memmove(d->tail, d->tail + n, 4 - n);
+        memcpy(d->tail + 4 - n, src, n);
+    }
+    d->total_in += n;
+}
+
+/* The frame ended: compare XXH64(content) with the checksum that closed it (what zstd would do). */
+static const char *
+verify_checksum(FrameDecoder *d)
+{
+    if (d->has_checksum != 1)
+        return NULL;
+    if (d->total_in < 4)
+        return "frame too short for its checksum";
+    uint32_t want = (uint32_t)d->tail[0] | (uint32_t)d->tail[1] << 8 | (uint32_t)d->tail[2] << 16
+                    | (uint32_t)d->tail[3] << 24;
+    uint32_t got = (uint32_t)XXH64(d->out.buf, (size_t)d->out.len, 0);
+    return got == want ? NULL : "Restored data doesn't match checksum";
+}
 
 /* Decode from `src` until it is used up or the frame ends; returns NULL or a static error text. */
 static const char *
@@ -49,22 +88,29 @@ decode_some(FrameDecoder *d, const void *src, size_t len, size_t *consumed)
     ZSTD_inBuffer in = {src, len, 0};
     ZSTD_outBuffer out = {d->out.buf, (size_t)d->out.len, d->pos};
     const char *err = NULL;
+    if (d->has_checksum < 0 && d->total_in == 0) {
+        ZSTD_frameHeader zfh;
+        if (ZSTD_getFrameHeader(&zfh, src, len) == 0)
+            d->has_checksum = zfh.checksumFlag ? 1 : 0;
+        else
+            d->has_checksum = 1; /* unreadable: zstd reports it; never skip a check we cannot see */
+    }
     while (in.pos < in.size && !d->done) {
         size_t in0 = in.pos, out0 = out.pos;
         size_t ret = ZSTD_decompressStream(d->dctx, &out, &in);
         if (ZSTD_isError(ret)) {
             err = ZSTD_getErrorName(ret);
-            /* zstd checks the checksum after writing the whole frame (but returns without
-             * updating out.pos): the bytes are all there, only unverified. Readers that check
-             * members' own CRCs may still use them; nothing else does (done stays 0). */
-            if (ZSTD_getErrorCode(ret) == ZSTD_error_checksum_wrong)
-                out.pos = out.size;
             break;
         }
+        remember_tail(d, (const unsigned char *)src + in0, in.pos - in0);
         if (ret == 0) {
-            d->done = 1; /* frame complete, checksum (if any) verified */
+            d->done = 1; /* frame complete */
             if (out.pos != out.size)
                 err = "frame ended before the size its index gives";
+            else
+                /* On a mismatch every byte is there, only unverified: pos stays at the end, for
+                 * readers that check members' own CRCs; nothing else uses a failed frame. */
+                err = verify_checksum(d);
         }
         else if (in.pos == in0 && out.pos == out0) {
             err = out.pos == out.size ? "frame has more data than the size its index gives"
@@ -118,9 +164,10 @@ FrameDecoder_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         return PyErr_NoMemory();
     }
     if (ZSTD_isError(ZSTD_DCtx_setParameter(d->dctx, ZSTD_d_windowLogMax, wlog))
-        || ZSTD_isError(ZSTD_DCtx_setParameter(d->dctx, ZSTD_d_stableOutBuffer, 1))) {
+        || ZSTD_isError(ZSTD_DCtx_setParameter(d->dctx, ZSTD_d_stableOutBuffer, 1))
+        || ZSTD_isError(ZSTD_DCtx_setParameter(d->dctx, ZSTD_d_forceIgnoreChecksum, 1))) {
         Py_DECREF(d);
-        PyErr_SetString(PyExc_RuntimeError, "this libzstd lacks ZSTD_d_stableOutBuffer");
+        PyErr_SetString(PyExc_RuntimeError, "this libzstd lacks ZSTD_d_stableOutBuffer or forceIgnoreChecksum");
         return NULL;
     }
     return (PyObject *)d;
@@ -158,6 +205,9 @@ FrameDecoder_start(FrameDecoder *d, PyObject *arg)
     d->pos = 0;
     d->done = 0;
     d->failed = 0;
+    d->has_checksum = -1;
+    d->total_in = 0;
+    memset(d->tail, 0, sizeof d->tail);
     ZSTD_DCtx_reset(d->dctx, ZSTD_reset_session_only);
     Py_RETURN_NONE;
 }
@@ -208,7 +258,8 @@ FrameDecoder_feed_fd(FrameDecoder *d, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     /* until >= the buffer's size: on to the frame's end (its checksum follows the last byte). */
     while (used < length && !d->done && ((Py_ssize_t)d->pos < until || until >= (Py_ssize_t)d->out.len)) {
-        size_t want = (size_t)(length - used) < FD_CHUNK ? (size_t)(length - used) : FD_CHUNK;
+        size_t chunk = until >= (Py_ssize_t)d->out.len ? FD_CHUNK : FD_CHUNK_PREFIX;
+        size_t want = (size_t)(length - used) < chunk ? (size_t)(length - used) : chunk;
         ssize_t got = pread(fd, d->scratch, want, (off_t)(offset + used));
         if (got < 0 && errno == EINTR)
             continue;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything cdmlfs needs on a fresh Debian/Ubuntu machine, into ./.venv.
-#   system: fuse3 + libfuse2 (FUSE user space), libdeflate/zlib/pkg-config (native inflate build),
+#   system: fuse3 + libfuse2 (FUSE user space), libdeflate/zlib/zstd/xxhash + pkg-config (C builds),
 #           zip/unzip/zstd (test fixtures and reference extraction)
 #   python: torch 2.14.1 + torchvision 0.29.1 (pinned), cdmlfs in editable mode with test extras
 # Usage: scripts/setup.sh [--no-torch]
@@ -16,7 +16,7 @@ for arg in "$@"; do
 done
 
 PY=${PYTHON:-python3}
-APT_PACKAGES=(fuse3 libfuse2 libfuse3-dev pkg-config gcc libdeflate-dev zlib1g-dev libzstd-dev
+APT_PACKAGES=(fuse3 libfuse2 libfuse3-dev pkg-config gcc libdeflate-dev zlib1g-dev libzstd-dev libxxhash-dev
               zip unzip zstd tar util-linux)
 "$PY" -m venv --help >/dev/null 2>&1 || APT_PACKAGES+=(python3-venv)
 missing=()

@@ -313,7 +313,7 @@ def test_dockerfile_stages_and_contents() -> None:
     final_run = " ".join(v for i, v in final if i == "RUN")
 
     # Builder: compiler and headers for the C accelerators, required to build.
-    for pkg in ("gcc", "pkg-config", "libdeflate-dev", "zlib1g-dev", "libzstd-dev"):
+    for pkg in ("gcc", "pkg-config", "libdeflate-dev", "zlib1g-dev", "libzstd-dev", "libxxhash-dev"):
         assert pkg in build.split(), pkg
     assert "CDMLFS_REQUIRE_NATIVE=1" in build
     assert '".[s3]"' in build

@@ -327,6 +327,11 @@ def test_native_frame_decoder_checks_size_and_checksum(tmp_path: Path) -> None:
         assert dec.done and used == len(comp) and bytes(out) == data
     finally:
         os.close(fd)
+    plain = zstandard.ZstdCompressor(level=3, write_checksum=False).compress(data)
+    out = bytearray(len(data))
+    dec.start(out)
+    dec.feed(plain)  # no checksum to check
+    assert dec.done and bytes(out) == data
     bad = bytearray(comp)
     bad[-1] ^= 1  # the checksum
     for payload, size, what in (

@@ -413,14 +413,21 @@ class ZstdStream:
             got += n
         return view
 
-    def _check_frame(self, i: int, head: bytes | memoryview) -> str:
-        """Sanity of frame ``i`` against the table before decoding; returns its name for errors."""
+    def _check_sizes(self, i: int) -> str:
+        """Frame ``i``'s sizes in the table are plausible; returns its name for errors."""
         fr = self.frames
         where = f"zstd frame #{i} at offset {fr.comp_offset[i]}"
         expected = fr.dec_size[i]
         if fr.comp_size[i] > expected + (expected >> 7) + (1 << 17):
             # zstd never expands data this much: a lying table must not make us read gigabytes
             raise CorruptMemberError(f"{where} is {fr.comp_size[i]} bytes for {expected} decoded bytes")
+        return where
+
+    def _check_frame(self, i: int, head: bytes | memoryview) -> str:
+        """Sanity of frame ``i`` against the table before decoding; returns its name for errors."""
+        fr = self.frames
+        where = self._check_sizes(i)
+        expected = fr.dec_size[i]
         try:
             header = parse_frame_header(head, fr.comp_offset[i])
         except ValueError as exc:
@@ -434,7 +441,9 @@ class ZstdStream:
     def _frame_span(self, i: int) -> zstdframes.FrameSpan:
         """Frame ``i`` for :class:`zstdframes.FrameWorker`, its header checked against the table."""
         fr = self.frames
-        where = self._check_frame(i, self.source.read_at(fr.comp_offset[i], min(18, fr.comp_size[i])))
+        # No header read: decoding into a buffer of exactly the table's size fails on any other
+        # content size (too small, or more data), which is the check the header would give.
+        where = self._check_sizes(i)
         return zstdframes.FrameSpan(where, fr.comp_offset[i], fr.comp_size[i], fr.dec_size[i])
 
     def warm_up(self) -> None:
