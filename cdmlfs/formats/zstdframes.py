@@ -57,7 +57,7 @@ MIN_FRAME = 512 << 10  # smaller frames decode whole in one call (a mapping woul
 FINISH_STEP = 512 << 10  # the background thread lets readers of the same frame in after each step
 MAX_PARTIAL = 4  # frames being finished at once
 MAX_SPARES = 8  # pre-faulted buffers kept ready
-INPUT_CHUNK = 64 << 10  # compressed bytes per step: an early member reads little past what it needs
+INPUT_CHUNK = 64 << 10  # compressed bytes per source read when there is no file descriptor (S3)
 MAX_WINDOW_LOG = 27  # same default limit as the zstd CLI
 ENABLED = os.environ.get("CDMLFS_FRAME_WORKER", "1") != "0"  # 0: whole decodes only (for A/B runs)
 NATIVE = NativeFrameDecoder is not None and os.environ.get("CDMLFS_NATIVE", "1") != "0"
@@ -252,8 +252,8 @@ class PartialFrame:
 class FrameWorker:
     """Per zstd stream: frame decodes into mappings, the frames finished in the background, the spare.
 
-    ``span(i)`` (from the stream) checks frame ``i``'s header against the
-    table and says where its compressed bytes are (or raises CorruptMemberError).
+    ``span(i)`` (from the stream) checks frame ``i``'s sizes in the table and
+    says where its compressed bytes are (or raises CorruptMemberError).
     """
 
     def __init__(
