@@ -11,6 +11,7 @@ import pickle
 import random
 import shutil
 import subprocess
+import sys
 import time
 import zipfile
 from pathlib import Path
@@ -277,3 +278,30 @@ def test_tar_zst_on_s3_remount_uses_the_persisted_index(localbucket_s3, proxy_to
     localbucket_s3.put("tars", "tree.tar.zst", _small_zip(tmp_path))
     with Archive("s3://tars/tree.tar.zst", **kw) as third:
         assert third.format.name == "zip"
+
+
+def test_packed_tar_zst_on_s3_serves_early_members_through_the_source(localbucket_s3, tmp_path: Path) -> None:
+    """No file descriptor: the frame decoder is fed from the S3 block layer; same bytes, same early path."""
+    src = tmp_path / "tree"
+    rng = random.Random(8)
+    for i in range(40):
+        p = src / f"d{i % 3}" / f"m{i:02d}.bin"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        size = rng.randrange(20_000, 150_000)
+        p.write_bytes(rng.randbytes(size) if i % 2 else bytes(rng.choices(b"abcde \n", k=size)))
+    packed = tmp_path / "p.tar.zst"
+    res = subprocess.run(
+        [sys.executable, "-m", "cdmlfs", "pack", "-q", "--frame-size", "1M", str(src), str(packed)],
+        capture_output=True,
+    )
+    assert res.returncode == 0, res.stderr.decode()
+    localbucket_s3.put("tars", "p.tar.zst", packed)
+    kw = {"endpoint_url": localbucket_s3.url, "index_dir": str(tmp_path / "index")}
+    with Archive("s3://tars/p.tar.zst", **kw) as ar:
+        worker = ar.format.stream._frames
+        assert worker is not None
+        names = ar.files()
+        rng.shuffle(names)
+        for name in names:
+            assert ar.read(name) == (src / name).read_bytes()
+        assert worker.early_frames >= 2
