@@ -439,7 +439,7 @@ class ZstdStream:
         return where
 
     def _frame_span(self, i: int) -> zstdframes.FrameSpan:
-        """Frame ``i`` for :class:`zstdframes.FrameWorker`, its header checked against the table."""
+        """Frame ``i`` for :class:`zstdframes.FrameWorker`, its sizes checked against the table."""
         fr = self.frames
         # No header read: decoding into a buffer of exactly the table's size fails on any other
         # content size (too small, or more data), which is the check the header would give.
