@@ -309,6 +309,8 @@ def _format_stats(s: dict) -> str:
                      f"({f['getattr_fallback']:,} / {f['read_fallback']:,} passed to Python)")  # fmt: skip
     if s.get("source"):
         lines.append("source    " + ", ".join(f"{k} {v}" for k, v in sorted(s["source"].items())))
+    if s.get("decoder"):
+        lines.append("decoder   " + ", ".join(f"{k} {v:,}" for k, v in sorted(s["decoder"].items())))
     return "\n".join(lines)
 
 

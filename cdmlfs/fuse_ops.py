@@ -277,6 +277,7 @@ class ArchiveOperations:
             from_source += fast["bytes_source"]
         lookups = cache.stats.hits + cache.stats.misses
         source_stats = getattr(archive.source, "stats", None)
+        decoder_stats = getattr(getattr(archive.format, "stream", None), "stats", None)
         return {
             "archive": archive.location,
             "format": archive.format.name,
@@ -302,6 +303,7 @@ class ArchiveOperations:
             "index_bytes": self._index_bytes,
             "rss_bytes": _rss_bytes(),
             "source": source_stats() if callable(source_stats) else None,
+            "decoder": decoder_stats() if callable(decoder_stats) else None,
         }
 
 

@@ -9,6 +9,7 @@ python-zstandard), the real cache and a real FUSE mount.
 from __future__ import annotations
 
 import errno
+import json
 import mmap
 import os
 import random
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 import zstandard
 from inflateutil import english_like, native_module
-from mountutil import daemon_pid, is_mounted, mounted
+from mountutil import daemon_pid, is_mounted, mounted, run_cli
 from test_tar_support import cdmlfs_pack
 
 from cdmlfs.archive import Archive
@@ -279,6 +280,22 @@ def test_raw_block_corruption_gives_eio_never_wrong_bytes(
                 assert data == (src / path).read_bytes()
         time.sleep(0.2)
         assert ar.cache.peek(("zf", 1)) is None  # the frame checksum failed: never cached
+
+
+@pytest.mark.fuse
+def test_mount_serves_early_members_and_stats_show_it(
+    packed: Path, src: Path, tmp_path: Path, mnt: Path
+) -> None:
+    with mounted(packed, mnt, "--index-dir", str(tmp_path / "idx")):
+        paths = sorted(p.relative_to(src).as_posix() for p in src.rglob("*.bin"))
+        random.Random(2).shuffle(paths)
+        for path in paths:
+            assert (mnt / path).read_bytes() == (src / path).read_bytes()
+        stats = json.loads(run_cli("stats", "--json", str(mnt), check=True).stdout)
+        decoder = stats["decoder"]
+        assert decoder["early_frames"] >= 1  # first reads of frames answered before the frame was done
+        assert decoder["spares_used"] >= 1  # the daemon warmed spare buffers up after mounting
+        assert "decoder   early_frames" in run_cli("stats", str(mnt), check=True).stdout.decode()
 
 
 @pytest.mark.fuse

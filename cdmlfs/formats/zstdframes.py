@@ -281,6 +281,15 @@ class FrameWorker:
         self.early_frames = 0  # frames whose first reader was answered before the frame was finished
         self.spares_used = 0
 
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "early_frames": self.early_frames,
+                "frames_in_flight": len(self._partial),
+                "spares_ready": len(self._spares),
+                "spares_used": self.spares_used,
+            }
+
     # -- decoders ------------------------------------------------------------
     def native_decoder(self):
         with self._lock:

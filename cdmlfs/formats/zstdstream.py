@@ -446,6 +446,17 @@ class ZstdStream:
         where = self._check_sizes(i)
         return zstdframes.FrameSpan(where, fr.comp_offset[i], fr.comp_size[i], fr.dec_size[i])
 
+    def stats(self) -> dict[str, int]:
+        """Decode counters for ``cdmlfs stats``."""
+        out = {
+            "frame_decodes": self.frame_decodes,
+            "forward_restarts": self.restarts,
+            "prefetched": self.prefetched,
+        }
+        if self._frames is not None:
+            out.update(self._frames.stats())
+        return out
+
     def warm_up(self) -> None:
         """Have the frame worker's spare buffers faulted in before the first reads need them."""
         if self._pid != os.getpid():
