@@ -48,6 +48,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from cdmlfs.mountpoints import is_mounted  # noqa: E402 (after the path fix above)
+
 PY = sys.executable
 
 
@@ -84,12 +86,6 @@ def make_tar(path: Path, n_files: int, seed: int = 0) -> tuple[int, int]:
 
 
 # -- mounts ---------------------------------------------------------------------------------
-def is_mounted(path: Path) -> bool:
-    target = os.path.realpath(path)
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == target for line in f)
-
-
 def unmount(path: Path) -> None:
     for _ in range(50):
         if not is_mounted(path):

@@ -32,6 +32,10 @@ import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from cdmlfs.mountpoints import is_mounted  # noqa: E402 (after the path fix above)
+
 RATARMOUNT_VENV = Path(os.environ.get("RATARMOUNT_VENV", "/tmp/bench-venvs/ratarmount"))
 
 
@@ -82,12 +86,6 @@ def extract(zip_path: Path, dest: Path) -> None:
 
 
 # -- mounts --------------------------------------------------------------------------
-def is_mounted(path: Path) -> bool:
-    target = os.path.realpath(path)
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == target for line in f)
-
-
 def unmount(path: Path) -> None:
     cmds = (["fusermount3", "-u", str(path)], ["fusermount", "-u", str(path)], ["umount", "-l", str(path)])
     for cmd in cmds:
