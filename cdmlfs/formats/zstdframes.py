@@ -58,7 +58,7 @@ FINISH_STEP = 512 << 10  # the background thread lets readers of the same frame 
 MAX_PARTIAL = 4  # frames being finished at once
 MAX_SPARES = 8  # pre-faulted buffers kept ready
 INPUT_CHUNK = 64 << 10  # compressed bytes per source read when there is no file descriptor (S3)
-MAX_WINDOW_LOG = 27  # same default limit as the zstd CLI
+MAX_WINDOW_LOG = 27  # same default limit as the zstd CLI (zstdstream uses it too)
 ENABLED = os.environ.get("CDMLFS_FRAME_WORKER", "1") != "0"  # 0: whole decodes only (for A/B runs)
 NATIVE = NativeFrameDecoder is not None and os.environ.get("CDMLFS_NATIVE", "1") != "0"
 
@@ -105,10 +105,10 @@ class _Decode:
 class _NativeDecode(_Decode):
     """cdmlfs._zstdframe: libzstd decodes straight into the buffer (GIL released, pread included)."""
 
-    def __init__(self, span: FrameSpan, source: Source, fd: int | None, buffer, worker: FrameWorker) -> None:
+    def __init__(self, span: FrameSpan, buffer, worker: FrameWorker) -> None:
         self._span = span
-        self._source = source
-        self._fd = fd
+        self._source = worker.source
+        self._fd = worker.fd
         self._worker = worker
         self._dec = worker.native_decoder()
         self._dec.start(buffer)
@@ -266,7 +266,7 @@ class FrameWorker:
         self.cache = cache
         self.spare_size = spare_size
         self.source = source
-        self._fd = source.fileno() if hasattr(source, "fileno") else None
+        self.fd = source.fileno() if hasattr(source, "fileno") else None  # None: read through the source
         self._span = span
         self._lock = threading.Lock()
         self._partial: dict[int, PartialFrame] = {}
@@ -304,7 +304,7 @@ class FrameWorker:
 
     def _decode(self, span: FrameSpan, buffer) -> _Decode:
         if NATIVE:
-            return _NativeDecode(span, self.source, self._fd, buffer, self)
+            return _NativeDecode(span, buffer, self)
         return _PyDecode(span, self.source, buffer)
 
     def decode_whole(self, i: int) -> mmap.mmap:

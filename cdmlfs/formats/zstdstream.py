@@ -63,7 +63,7 @@ SCAN_CHUNK = 1 << 20
 PREFETCH_DEPTH = int(os.environ.get("CDMLFS_PREFETCH", "0"))
 MAX_STREAM = 1 << 62
 SCRATCH_MAX = 8 << 20  # frames compressed to more than this are read into fresh buffers
-MAX_WINDOW = 1 << 27  # same default limit as the zstd CLI (windowLog 27); larger needs --long archives
+MAX_WINDOW = 1 << zstdframes.MAX_WINDOW_LOG  # larger windows need --long archives
 
 
 def _zstd_error(exc: Exception, what: str) -> CorruptMemberError:
@@ -241,11 +241,13 @@ class ZstdStream:
         self._queue: queue.Queue[Hashable] = queue.Queue(maxsize=max(1, PREFETCH_DEPTH))
         self._worker: threading.Thread | None = None
         self._seen: Hashable | None = None
-        self._frames: zstdframes.FrameWorker | None = None
-        if self._spare_size and self._cache is not None:
-            self._frames = zstdframes.FrameWorker(
-                self._cache, self._spare_size, self.source, self._frame_span
-            )
+        self._frames = self._new_frame_worker()
+
+    def _new_frame_worker(self) -> zstdframes.FrameWorker | None:
+        """The frame worker, once ``bound_extents`` chose to use one (``_spare_size``)."""
+        if not self._spare_size or self._cache is None:
+            return None
+        return zstdframes.FrameWorker(self._cache, self._spare_size, self.source, self._frame_span)
 
     def bound_extents(self, whole_max: int, piece: int, cache: ExtentCache | None = None) -> None:
         """Called once by the reader: one decode must fit its cache budget.
@@ -266,7 +268,7 @@ class ZstdStream:
             and cache.limit >= 8 * largest
         ):
             self._spare_size = largest
-            self._frames = zstdframes.FrameWorker(cache, largest, self.source, self._frame_span)
+            self._frames = self._new_frame_worker()
         big = [s for s in self.frames.dec_size if s > self.whole_max]
         if big:
             log.warning(
@@ -472,14 +474,11 @@ class ZstdStream:
         None when that does not apply (frame cached, member across frames,
         no frame worker, too many frames in flight): use the extents.
         """
+        if self._pid != os.getpid():
+            self._reset_process_state()
         frames = self._frames
         if frames is None:
             return None
-        if self._pid != os.getpid():
-            self._reset_process_state()
-            frames = self._frames
-            if frames is None:
-                return None
         fr = self.frames
         i = bisect.bisect_right(fr.dec_offset, offset) - 1
         if i < 0:
