@@ -47,7 +47,6 @@ typedef struct {
     int failed;
     int busy;
     unsigned char *scratch; /* FD_CHUNK bytes for feed_fd */
-    int window_log_max;
     int has_checksum;       /* -1: header not seen yet */
     unsigned char tail[4];  /* the last 4 input bytes consumed: the checksum, once the frame ends */
     size_t total_in;
@@ -134,12 +133,20 @@ fail(FrameDecoder *d, const char *why)
 }
 
 static int
-check_ready(FrameDecoder *d)
+check_idle(FrameDecoder *d)
 {
     if (d->busy) {
         PyErr_SetString(PyExc_RuntimeError, "FrameDecoder is in use by another thread");
         return -1;
     }
+    return 0;
+}
+
+static int
+check_ready(FrameDecoder *d)
+{
+    if (check_idle(d) < 0)
+        return -1;
     if (!d->out_held || d->failed) {
         PyErr_SetString(PyExc_RuntimeError, "FrameDecoder has no frame (call start) or failed");
         return -1;
@@ -157,7 +164,6 @@ FrameDecoder_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         return NULL;
     if (!(d = (FrameDecoder *)type->tp_alloc(type, 0)))
         return NULL;
-    d->window_log_max = wlog;
     d->dctx = ZSTD_createDCtx();
     if (!d->dctx) {
         Py_DECREF(d);
@@ -194,10 +200,8 @@ FrameDecoder_dealloc(FrameDecoder *d)
 static PyObject *
 FrameDecoder_start(FrameDecoder *d, PyObject *arg)
 {
-    if (d->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "FrameDecoder is in use by another thread");
+    if (check_idle(d) < 0)
         return NULL;
-    }
     release_out(d);
     if (PyObject_GetBuffer(arg, &d->out, PyBUF_WRITABLE) < 0)
         return NULL;
@@ -257,8 +261,9 @@ FrameDecoder_feed_fd(FrameDecoder *d, PyObject *args)
     d->busy = 1;
     Py_BEGIN_ALLOW_THREADS
     /* until >= the buffer's size: on to the frame's end (its checksum follows the last byte). */
-    while (used < length && !d->done && ((Py_ssize_t)d->pos < until || until >= (Py_ssize_t)d->out.len)) {
-        size_t chunk = until >= (Py_ssize_t)d->out.len ? FD_CHUNK : FD_CHUNK_PREFIX;
+    int to_end = until >= (Py_ssize_t)d->out.len;
+    size_t chunk = to_end ? FD_CHUNK : FD_CHUNK_PREFIX;
+    while (used < length && !d->done && ((Py_ssize_t)d->pos < until || to_end)) {
         size_t want = (size_t)(length - used) < chunk ? (size_t)(length - used) : chunk;
         ssize_t got = pread(fd, d->scratch, want, (off_t)(offset + used));
         if (got < 0 && errno == EINTR)
@@ -289,10 +294,8 @@ FrameDecoder_feed_fd(FrameDecoder *d, PyObject *args)
 static PyObject *
 FrameDecoder_release(FrameDecoder *d, PyObject *unused)
 {
-    if (d->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "FrameDecoder is in use by another thread");
+    if (check_idle(d) < 0)
         return NULL;
-    }
     release_out(d);
     Py_RETURN_NONE;
 }
