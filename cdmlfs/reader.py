@@ -109,7 +109,7 @@ class ExtentReader:
         self.bytes_direct = 0
         # Told about the last container extent served (the C fast path answers the reads that
         # follow it inside that extent, e.g. a tar.zst read in archive order).
-        self.on_extent: Callable[[int, bytes], object] | None = None
+        self.on_extent: Callable[[int, object], object] | None = None  # (start, bytes or mmap)
         self._hot_key: Hashable | None = None
         forksafe.register(self)
 

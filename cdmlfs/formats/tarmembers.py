@@ -18,8 +18,9 @@ whole frame). Scanned tables of foreign archives have none.
 Encoding (little endian): a JSON header line, then the columns as raw arrays
 (version 2 adds the optional CRC column, flagged ``"crc": 1``; version 1
 tables still decode), then names and link targets as NUL-separated UTF-8
-(surrogate escapes keep non-UTF-8 bytes). NUL never occurs in a name (tar fields are C strings; pax
-values are normalised the same way :mod:`cdmlfs.pathrules` would).
+(surrogate escapes keep non-UTF-8 bytes). NUL never occurs in a name (tar
+fields are C strings; pax values are normalised the same way
+:mod:`cdmlfs.pathrules` would).
 """
 
 from __future__ import annotations
