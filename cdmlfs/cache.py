@@ -109,9 +109,14 @@ class ExtentCache:
             return True
 
     def discard(self, key: Hashable) -> None:
+        self.pop(key)
+
+    def pop(self, key: Hashable):
+        """Remove and return the value under ``key`` (None if absent), so its owner can reuse it."""
         with self._lock:
-            self._lru.pop(key, None)
+            value = self._lru.pop(key, None)
             self._room.notify_all()
+            return value
 
     def clear(self) -> None:
         with self._lock:

@@ -173,12 +173,13 @@ def start_localbucket(root: Path) -> Endpoint:
 
 
 # -- fault-injecting proxy ------------------------------------------------------------------
-FAULTS = ("503", "500", "reset", "stall", "truncate", "stall_body", "403")
+FAULTS = ("503", "500", "reset", "stall", "truncate", "short", "stall_body", "403")
 
 
 @dataclass
 class ProxyStats:
     requests: int = 0
+    connections: int = 0  # TCP connections clients opened (kept-alive ones count once)
     body_bytes: int = 0
     faults: int = 0
     log: deque = field(default_factory=lambda: deque(maxlen=10_000))  # (method, range, status, bytes to send)
@@ -280,6 +281,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
+        with self.owner._lock:
+            self.owner.stats.connections += 1
         # Headers and body go out in separate writes: without this, Nagle + delayed ACKs add 40 ms.
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -327,7 +330,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 self.send_header(k, v)
         self.end_headers()
         total = int(resp.getheader("Content-Length") or 0) if self.command != "HEAD" else 0
-        limit = total // 2 if fault in ("truncate", "stall_body") else total
+        limit = total // 2 if fault in ("truncate", "short", "stall_body") else total
         # Counted before the body goes out: the client can act on the last byte (and a test can
         # read the stats) before this thread runs again. Bytes that could not be sent are taken back.
         owner._count(self.command, self.headers.get("Range"), resp.status, limit)
@@ -351,13 +354,18 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         finally:
             if written < limit:
                 owner._uncount(limit - written)
-        if fault in ("truncate", "stall_body"):
+        if fault in ("truncate", "short", "stall_body"):
             self.wfile.flush()
             if fault == "stall_body":
                 time.sleep(owner.stall_seconds)
             with contextlib.suppress(OSError):
                 resp.read()  # drain upstream so its connection stays usable
-            self._reset()
+            if fault == "short":  # a clean close (FIN) mid-body: the client sees EOF, not an error
+                self.close_connection = True
+                with contextlib.suppress(OSError):
+                    self.connection.shutdown(socket.SHUT_WR)
+            else:
+                self._reset()
 
     def _error(self, status: int) -> None:
         code = {503: "SlowDown", 500: "InternalError", 403: "AccessDenied"}[status]

@@ -171,6 +171,66 @@ def test_sequential_read_of_a_large_member_prefetches_in_parallel(
         assert remote.cache.held <= remote.cache.limit
 
 
+def test_long_scan_receives_into_recycled_buffers_over_kept_alive_connections(
+    localbucket_s3, proxy_to, tmp_path: Path
+) -> None:
+    data = random.Random(6).randbytes(96 * MiB)
+    path = tmp_path / "scan.zip"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("large.bin", data)
+    localbucket_s3.put("bench", "scan.zip", path)
+    proxy = proxy_to(localbucket_s3)
+    # The default cache (512 MiB): 8 MiB parts and four spares (a sixteenth of the cache).
+    with Archive("s3://bench/scan.zip", endpoint_url=proxy.url) as remote:
+        proxy.reset_stats()
+        for _ in range(2):  # the second pass reuses what the first one dropped behind
+            digest = hashlib.sha256()
+            with remote.open("large.bin") as f:
+                buf = bytearray(1 * MiB)
+                while n := f.readinto(buf):
+                    digest.update(memoryview(buf)[:n])
+            assert digest.digest() == hashlib.sha256(data).digest()
+        stats = remote.source.stats()
+        assert stats["buffers_reused"] >= 4  # a short scan: most parts are requested before any drop
+        assert stats["dropped_behind"] >= 16
+        assert remote.cache.held + remote.cache.reserved <= remote.cache.limit
+        # Bodies received into buffers hand their connection back: no new connection per request.
+        assert proxy.stats.requests >= 24
+        assert proxy.stats.connections <= 16 + 2
+    assert remote.cache.reserved == 0  # closing gave back the spares' reservations
+
+
+def test_faults_during_a_long_scan_into_recycled_buffers_give_zero_wrong_bytes(
+    localbucket_s3, proxy_to, tmp_path: Path
+) -> None:
+    data = random.Random(7).randbytes(80 * MiB)  # above the 64 MiB read-whole limit: a streamed scan
+    path = tmp_path / "faulty-scan.zip"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("large.bin", data)
+    localbucket_s3.put("faults", "faulty-scan.zip", path)
+    proxy = proxy_to(localbucket_s3, stall_seconds=1.0)
+    with Archive(
+        "s3://faults/faulty-scan.zip",
+        endpoint_url=proxy.url,
+        retry=FAST_RETRY,
+        read_timeout=0.5,
+        cache_size=256 * MiB,
+    ) as remote:
+        proxy.inject("stall_body")
+        proxy.chaos(0.3, ("503", "reset", "truncate", "short"))
+        for _ in range(2):  # 1 MiB reads: a sequential scan served by prefetched parts
+            got = bytearray()
+            with remote.open("large.bin") as f:
+                while chunk := f.read(1 * MiB):
+                    got += chunk
+            assert got == data
+        stats = remote.source.stats()
+        assert stats["prefetches"] >= 8
+        assert proxy.stats.faults >= 3
+        assert stats["retries"] >= 3
+        assert stats["buffers_reused"] >= 1
+
+
 # -- consistency ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("server", ["moto", "localbucket"])
 def test_object_replaced_after_open_fails_reads_never_mixes_bytes(

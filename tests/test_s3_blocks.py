@@ -12,6 +12,7 @@ import pytest
 from cdmlfs.cache import ExtentCache
 from cdmlfs.errors import SourceError
 from cdmlfs.sources.blocks import BlockConfig, BlockLayer
+from cdmlfs.sources.buffers import BufferPool
 from cdmlfs.sources.readahead import ReadaheadConfig
 
 KiB = 1 << 10
@@ -51,6 +52,9 @@ class FakeRemote:
             with self._lock:
                 self.active -= 1
 
+    def fetch_into(self, start: int, end: int, out: memoryview) -> None:
+        out[:] = self.fetch(start, end)
+
     @property
     def fetched(self) -> int:
         return sum(e - s for s, e in self.calls)
@@ -60,7 +64,9 @@ def make(data: bytes, cache_limit: int = 64 * MiB, latency: float = 0.0, **cfg):
     cache = ExtentCache(cache_limit)
     remote = FakeRemote(data, latency, cache)
     ra = cfg.pop("readahead", None)
-    layer = BlockLayer(remote.fetch, len(data), cache, BlockConfig(readahead=ra, **cfg), name="fake")
+    into = remote.fetch_into if cfg.pop("into", False) else None
+    config = BlockConfig(readahead=ra, **cfg)
+    layer = BlockLayer(remote.fetch, len(data), cache, config, name="fake", fetch_into=into)
     return layer, remote, cache
 
 
@@ -279,3 +285,59 @@ def test_close_fails_waiters_instead_of_hanging() -> None:
     layer.close()
     t.join(10)
     assert not t.is_alive()
+
+
+def test_buffer_pool_recycles_only_unshared_buffers_and_reserves_them() -> None:
+    cache = ExtentCache(64 * MiB)
+    pool = BufferPool(cache, 1 * MiB)
+    viewed = bytearray(1 * MiB)
+    view = memoryview(viewed)  # a reader copying out of it
+    listed = [bytearray(1 * MiB)]  # a reader's list of pieces
+    pool.recycle([viewed, listed[0], bytearray(1 * MiB), bytearray(10), bytes(1 * MiB), None])
+    assert pool.recycled == 1  # only the buffer nobody else refers to, of the pool's size and type
+    assert cache.reserved == 1 * MiB  # and it is counted in the cache's bound
+    spare = pool.take()
+    assert spare is not None and spare[0] is not viewed and spare[0] is not listed[0]
+    assert pool.take() is None
+    spare[1].release()
+    pool.recycle([bytearray(1 * MiB) for _ in range(10)])
+    assert pool.recycled == 1 + pool.max_spares == 5  # at most a sixteenth of the cache, 4 parts
+    pool.clear()
+    assert cache.reserved == 0
+    view.release()
+
+
+def test_small_cache_gets_no_spare_buffers() -> None:
+    assert not BufferPool(ExtentCache(16 * MiB), 2 * MiB).enabled
+
+
+def test_scan_into_recycled_buffers_with_a_lagging_reader_is_byte_exact() -> None:
+    """A reader far behind the stream reads spans that were dropped and whose buffers were reused."""
+    data = random.Random(13).randbytes(96 * MiB)
+    layer, remote, cache = make(data, cache_limit=64 * MiB, part_size=1 * MiB, into=True)
+    errors: list[str] = []
+
+    def scan(delay: float, step: int) -> None:
+        rng = random.Random(step)
+        buf = bytearray(step)
+        for off in range(0, len(data) - step + 1, step):
+            layer.read_into(off, buf)
+            if buf != data[off : off + step]:
+                errors.append(f"wrong bytes at {off}")
+                return
+            if delay and rng.random() < 0.2:
+                time.sleep(delay)
+
+    threads = [
+        threading.Thread(target=scan, args=(0.0, 256 * KiB)),
+        threading.Thread(target=scan, args=(0.002, 96 * KiB)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert layer.stats.buffers_reused > 0
+    assert remote.bound_violations == 0
+    layer.close()
+    assert cache.reserved == 0

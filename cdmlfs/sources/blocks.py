@@ -27,6 +27,9 @@ layer decides *which* ranges to request and keeps what came back:
   long prefetch queue never delays a read someone is waiting for.
 * **Drop-behind.** Prefetched spans a sequential reader has passed are dropped
   from the cache, so scanning a huge member does not flush everything else.
+  When the source can receive into a caller's buffer (``fetch_into``), full
+  prefetch parts are received into buffers that drop-behind recycles
+  (:mod:`cdmlfs.sources.buffers`): a long scan then faults in no fresh memory.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from dataclasses import dataclass
 from cdmlfs import forksafe
 from cdmlfs.cache import ExtentCache
 from cdmlfs.errors import SourceError
+from cdmlfs.sources.buffers import BufferPool
 from cdmlfs.sources.readahead import ProbeLearner, ReadaheadConfig, Stream, StreamTable
 
 log = logging.getLogger(__name__)
@@ -54,6 +58,7 @@ FETCHING = 1  # request running: readers wait for it
 DONE = 2  # bytes are (or were, until evicted) in the cache under the span's key
 
 Fetch = Callable[[int, int], bytes]
+FetchInto = Callable[[int, int, memoryview], None]  # fills the buffer with bytes [start, end) or raises
 
 
 @dataclass
@@ -91,6 +96,7 @@ class BlockStats:
         self.prefetched_bytes = 0
         self.prefetch_cancelled = 0
         self.dropped_behind = 0
+        self.buffers_reused = 0  # prefetch parts received into a recycled buffer
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -106,8 +112,10 @@ class BlockLayer:
         cache: ExtentCache,
         config: BlockConfig | None = None,
         name: str = "remote",
+        fetch_into: FetchInto | None = None,
     ) -> None:
         self._fetch = fetch
+        self._fetch_into = fetch_into
         self.size = size
         self.cache = cache
         self.name = name
@@ -132,6 +140,8 @@ class BlockLayer:
         self._pool_lock = threading.Lock()
         self._closed = False
         self.stats = BlockStats()
+        pool = BufferPool(cache, cfg.part_size) if fetch_into is not None else None
+        self._buffers = pool if pool is not None and pool.enabled else None
         forksafe.register(self)
 
     # -- public ----------------------------------------------------------------
@@ -183,6 +193,8 @@ class BlockLayer:
     def close(self) -> None:
         self._closed = True
         self._shutdown_pools(wait=False)
+        if self._buffers is not None:
+            self._buffers.clear()
         with self._lock:
             spans = list(self._spans.values())
             self._starts.clear()
@@ -340,13 +352,26 @@ class BlockLayer:
                 self.stats.prefetch_cancelled += 1
                 self._remove(span)
                 return
-        with cache.reserve(n) as room:
+        buffers = self._buffers
+        recv = buffers is not None and n == buffers.size  # a full part: receive into a reusable buffer
+        spare = buffers.take() if recv and buffers is not None else None
+        buf, room = spare if spare is not None else (None, cache.hold(n))
+        assert room is not None  # hold() waits for room
+        try:
             with self._lock:
                 if span.cancelled or self._spans.get(span.start) is not span:
                     return
                 span.state = FETCHING
             try:
-                data = self._fetch(span.start, span.end)
+                if recv:
+                    if buf is None:
+                        buf = bytearray(n)
+                    else:
+                        self.stats.buffers_reused += 1
+                    self._fetch_into(span.start, span.end, memoryview(buf))
+                    data = buf
+                else:
+                    data = self._fetch(span.start, span.end)
             except BaseException as exc:
                 log.debug("%s: prefetch of %d-%d failed: %s", self.name, span.start, span.end, exc)
                 with self._lock:
@@ -354,6 +379,8 @@ class BlockLayer:
                 _settle(span, exc=exc)
                 return
             room.commit(span.key, data)
+        finally:
+            room.release()
         with self._lock:
             self.stats.prefetches += 1
             self.stats.prefetched_bytes += len(data)
@@ -364,14 +391,20 @@ class BlockLayer:
     def _drop_behind(self, stream: Stream) -> None:
         """Forget prefetched spans the stream has left well behind."""
         lag = 2 * self.config.part_size
+        dropped: list = []
         with self._lock:
             q = stream.prefetched
             while q and q[0].end + lag < stream.next:
                 span = q.popleft()
                 if span.state == DONE and self._spans.get(span.start) is span:
                     self._remove(span)
-                    self.cache.discard(span.key)
+                    dropped.append(self.cache.pop(span.key))
+                    # The finished future holds the bytes too: a reader that still reaches this span
+                    # finds a failed prefetch instead and fetches the range itself (see _collect).
+                    span.future = _dropped_future()
                     self.stats.dropped_behind += 1
+        if dropped and self._buffers is not None:
+            self._buffers.recycle(dropped)
 
     # -- index (caller holds self._lock) -------------------------------------------
     def _insert(self, span: _Span) -> None:
@@ -452,6 +485,12 @@ class BlockLayer:
 
     def __repr__(self) -> str:
         return f"BlockLayer({self.name!r}, spans={len(self._spans)}, pid={os.getpid()})"
+
+
+def _dropped_future() -> Future:
+    fut: Future = Future()
+    fut.set_exception(SourceError("prefetched span dropped behind the reader"))
+    return fut
 
 
 def _settle(span: _Span, data: bytes | None = None, exc: BaseException | None = None) -> None:

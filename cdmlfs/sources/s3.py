@@ -168,7 +168,14 @@ class S3Object:
         config = BlockConfig(
             part_size=part_size, foreground_workers=workers, prefetch_workers=max_connections - workers
         )
-        self._blocks = BlockLayer(self._get_range, self.size, self._cache, config, name=self.location)
+        self._blocks = BlockLayer(
+            self._get_range,
+            self.size,
+            self._cache,
+            config,
+            name=self.location,
+            fetch_into=self._get_range_into,
+        )
         if tail:
             self._blocks.seed(tail_start, tail)
         first = head.result()
@@ -340,6 +347,14 @@ class S3Object:
 
     def _get_range(self, start: int, end: int) -> bytes:
         """Bytes [start, end) of the version opened, retried; the block layer's fetch function."""
+        return self._ranged_get(start, end, lambda body: self._read_body(body, end - start))
+
+    def _get_range_into(self, start: int, end: int, out: memoryview) -> None:
+        """Like ``_get_range``, received straight into ``out`` (the block layer's recycled buffers)."""
+        self._ranged_get(start, end, lambda body: self._read_body_into(body, out))
+
+    def _ranged_get(self, start: int, end: int, consume):
+        """One ranged GET pinned to the opening ETag, checked, retried; ``consume(body)`` reads the body."""
         if self._changed:
             raise SourceChangedError(self._changed)
         n = end - start
@@ -368,7 +383,7 @@ class S3Object:
                         if m and m.group(3) != "*" and int(m.group(3)) != self.size:
                             raise self._mark_changed(f"its size is now {m.group(3)} bytes")
                         raise _Transient(f"asked for {expect}, got Content-Range {crange!r}")
-                return self._read_body(body, n)
+                return consume(body)
             finally:
                 body.close()
 
@@ -384,6 +399,36 @@ class S3Object:
         if n is not None and len(data) != n:
             raise _Transient(f"truncated body: {len(data)} of {n} bytes")
         return data
+
+    def _read_body_into(self, body, out: memoryview) -> None:
+        """Receive the body into ``out`` with no allocation and no copy beyond the socket's.
+
+        botocore's body wraps urllib3's response, which wraps http.client's:
+        only the innermost reads into a caller's buffer (urllib3's ``readinto``
+        allocates and copies). When that layering is not there (another HTTP
+        stack), the body is read the ordinary way and copied.
+        """
+        n = len(out)
+        raw = getattr(body, "_raw_stream", None)  # urllib3 response
+        fp = getattr(raw, "_fp", None)  # http.client response
+        if fp is None or not hasattr(fp, "readinto") or not hasattr(raw, "release_conn"):
+            out[:] = self._read_body(body, n)
+            return
+        got = 0
+        try:
+            while got < n:
+                k = fp.readinto(out[got:])
+                if not k:
+                    break
+                got += k
+        except Exception as exc:
+            self._classify(exc, opening=False)
+            raise
+        self.bytes_received += got
+        if got != n:
+            raise _Transient(f"truncated body: {got} of {n} bytes")
+        if fp.isclosed():  # the body ended where its length said: the connection can serve again
+            raw.release_conn()  # (closing the body without this would drop the connection)
 
     def _with_retries(self, attempt, what: str):
         policy = self.retry
@@ -411,6 +456,8 @@ class S3Object:
 
     def _classify(self, exc: BaseException, opening: bool) -> None:
         """Raise the right error for an SDK or socket exception (never returns for known kinds)."""
+        from http.client import HTTPException
+
         from botocore.exceptions import (
             BotoCoreError,
             ClientError,
@@ -447,7 +494,7 @@ class S3Object:
                 f"{self.location}: no AWS credentials found (set AWS_PROFILE/--profile or the AWS_* "
                 "environment variables; public buckets: --no-sign-request)"
             ) from None
-        if isinstance(exc, (ConnectionError, HTTPClientError, IncompleteReadError, OSError)):
+        if isinstance(exc, (ConnectionError, HTTPClientError, IncompleteReadError, OSError, HTTPException)):
             raise _Transient(f"{type(exc).__name__}: {exc}") from None
         if isinstance(exc, BotoCoreError):
             raise SourceError(f"{self.location}: {exc}") from None
