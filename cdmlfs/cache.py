@@ -55,6 +55,9 @@ class ExtentCache:
         self.trim_hook: Callable[[], object] | None = None
         self.trim_every = max(16 << 20, limit // 8)
         self._evicted_since_trim = 0
+        # Called with the cache lock held, with the key of every value that leaves the cache
+        # (evicted, discarded, replaced, cleared): the C fast path lets go of its view there.
+        self.on_remove: Callable[[Hashable], object] | None = None
         forksafe.register(self)
 
     def _before_fork(self) -> None:
@@ -104,7 +107,7 @@ class ExtentCache:
                 self.stats.uncacheable += 1
                 return False
             self._evict_locked(size + self._reserved)
-            self._lru[key] = value
+            self._store_locked(key, value)
             self.stats.inserted_bytes += size
             return True
 
@@ -115,12 +118,29 @@ class ExtentCache:
         """Remove and return the value under ``key`` (None if absent), so its owner can reuse it."""
         with self._lock:
             value = self._lru.pop(key, None)
+            if value is not None and self.on_remove is not None:
+                self.on_remove(key)
             self._room.notify_all()
             return value
 
+    def call_if_held(self, key: Hashable, value: object, fn: Callable[[], object]) -> bool:
+        """Run ``fn`` under the cache lock if ``value`` is what the cache holds under ``key``.
+
+        With ``on_remove`` this keeps a mirror of some entries exact: ``fn``
+        cannot register a value the cache already let go of.
+        """
+        with self._lock:
+            if key not in self._lru or self._lru[key] is not value:
+                return False
+            fn()
+            return True
+
     def clear(self) -> None:
         with self._lock:
+            keys = list(self._lru) if self.on_remove is not None else []
             self._lru.clear()
+            for key in keys:
+                self.on_remove(key)  # type: ignore[misc]
             self._room.notify_all()
 
     @contextmanager
@@ -170,17 +190,24 @@ class ExtentCache:
             token.remaining = 0
             if size <= self.limit - self._reserved:
                 self._evict_locked(size + self._reserved)
-                self._lru[key] = value
+                self._store_locked(key, value)
                 self.stats.inserted_bytes += size
             else:
                 self.stats.uncacheable += 1
             self._room.notify_all()
 
+    def _store_locked(self, key: Hashable, value: object) -> None:
+        if self.on_remove is not None and key in self._lru:
+            self.on_remove(key)  # the value it replaces leaves the cache
+        self._lru[key] = value
+
     def _evict_locked(self, room: int) -> None:
         lru = self._lru
         before = lru.currsize
         while lru and lru.currsize + room > self.limit:
-            lru.popitem()
+            key, _ = lru.popitem()
+            if self.on_remove is not None:
+                self.on_remove(key)
             self.stats.evictions += 1
         if self.trim_hook is not None and before != lru.currsize:
             self._evicted_since_trim += before - lru.currsize

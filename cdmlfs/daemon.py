@@ -145,7 +145,7 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
     table = fastpath.build_table(archive) if fast else None
     ops.fast_table = table
     if table is not None:
-        archive.reader.on_extent = table.set_hot
+        fastpath.attach(archive, table)
     log.debug("C fast path: %s", why if fast else f"off ({why})")
     try:
         with fastpath.installed(mfusepy, table) if table is not None else contextlib.nullcontext():

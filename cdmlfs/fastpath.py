@@ -14,9 +14,10 @@ import ctypes
 import logging
 import os
 from array import array
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 
 from cdmlfs.archive import Archive
+from cdmlfs.cache import ExtentCache
 from cdmlfs.index import DIR
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,51 @@ def build_table(archive: Archive):
         os.getgid(),
         reader.whole_limit,
     )
+
+
+class HotExtents:
+    """Which decoded container extents (zstd frames, tar blocks) the C read path may copy from.
+
+    The reader reports each extent it serves from in Python; from then on reads
+    inside it are answered in C. The set mirrors the cache exactly: an extent is
+    added only while the cache holds it (checked under the cache lock) and
+    dropped when the cache lets it go, so the C views never keep memory alive
+    beyond the cache bound. A single "last extent" was not enough: walking
+    directories whose files alternate between frames sent half of all reads to
+    Python.
+    """
+
+    def __init__(self, table, cache: ExtentCache) -> None:
+        self._table = table
+        self._cache = cache
+        self._starts: dict[Hashable, int] = {}  # cache key -> extent start, for extents in the table
+
+    def add(self, key: Hashable, start: int, data: object) -> None:
+        """The reader served from ``data`` (the cache's value under ``key``) at stream offset ``start``."""
+
+        def register() -> None:
+            if key not in self._starts:
+                self._table.add_hot(start, data)
+                self._starts[key] = start
+
+        self._cache.call_if_held(key, data, register)
+
+    def removed(self, key: Hashable) -> None:
+        """The cache let go of ``key`` (called under the cache lock)."""
+        start = self._starts.pop(key, None)
+        if start is not None:
+            self._table.drop_hot(start)
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+
+def attach(archive: Archive, table) -> HotExtents:
+    """Serve reads inside cached container extents of ``archive`` from ``table`` in C."""
+    hot = HotExtents(table, archive.cache)
+    archive.cache.on_remove = hot.removed
+    archive.reader.on_extent = hot.add
+    return hot
 
 
 @contextlib.contextmanager

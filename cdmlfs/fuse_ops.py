@@ -271,6 +271,8 @@ class ArchiveOperations:
         from_source = self.reader.bytes_direct + getattr(archive.source, "bytes_read", 0)
         fast = self.fast_table.stats() if self.fast_table is not None else None
         if fast is not None:
+            fast["hot_extents"] = self.fast_table.hot_extents
+        if fast is not None:
             requests["getattr"] += fast["getattr_fast"]
             requests["read"] += fast["read_fast"]
             served += fast["bytes_fast"]

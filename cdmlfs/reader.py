@@ -109,7 +109,8 @@ class ExtentReader:
         self.bytes_direct = 0
         # Told about the last container extent served (the C fast path answers the reads that
         # follow it inside that extent, e.g. a tar.zst read in archive order).
-        self.on_extent: Callable[[int, object], object] | None = None  # (start, bytes or mmap)
+        # Told (cache key, stream offset, bytes or mmap) of each container extent a read is served from.
+        self.on_extent: Callable[[Hashable, int, object], object] | None = None
         self._hot_key: Hashable | None = None
         forksafe.register(self)
 
@@ -444,7 +445,7 @@ class ExtentReader:
             parts.append(_view(chunk, lo, hi))
         if self.on_extent is not None and key != self._hot_key:
             self._hot_key = key
-            self.on_extent(start, chunk)
+            self.on_extent(key, start, chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
 

@@ -52,6 +52,12 @@ static const Py_ssize_t col_itemsize[NCOLS] = {1, 2, 8, 8, 2, 1, 8, 8, 4, 4, 1, 
 static const int col_writable[NCOLS] = {0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1};
 
 typedef struct {
+    int64_t start, len;
+    const char *buf;
+    Py_buffer view;
+} HotExtent;
+
+typedef struct {
     PyObject_HEAD
     PyObject *lookup;            /* dict str -> int, keeps the key strings alive */
     Py_buffer cols[NCOLS];
@@ -66,14 +72,13 @@ typedef struct {
     int64_t whole_limit;
     getattr_fn py_getattr;
     read_fn py_read;
-    /* The container extent (decoded tar stream bytes) the Python reader served last: reads that
-     * fall inside it are copied in C. hot_view is a buffer export this table holds (bytes, or the
-     * mmap a frame was decoded into), so the memory stays valid while C reads from it. */
+    /* Decoded container extents (tar stream bytes, one per zstd frame) that reads falling inside
+     * are copied from in C, sorted by start. Each holds a buffer export (bytes, or the mmap a frame
+     * was decoded into), so the memory stays valid while C reads from it; Python adds an extent
+     * the cache holds and drops it when the cache lets it go, so the set never outgrows the bound. */
     pthread_mutex_t hot_lock;
-    Py_buffer hot_view;
-    int hot_held;
-    const char *hot_buf;
-    int64_t hot_start, hot_len;
+    HotExtent *hot;
+    Py_ssize_t nhot, hot_cap;
     atomic_ullong getattr_fast, getattr_slow, read_fast, read_slow, bytes_fast, bytes_source;
 } FastPath;
 
@@ -219,6 +224,21 @@ decompressor(void)
     return d;
 }
 
+/* Index of the hot extent with the largest start <= at, or -1 (caller holds hot_lock). */
+static Py_ssize_t
+hot_find(const FastPath *t, int64_t at)
+{
+    Py_ssize_t lo = 0, hi = t->nhot;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (t->hot[mid].start <= at)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo - 1;
+}
+
 static int
 read_hot(FastPath *t, Py_ssize_t e, char *buf, size_t size, off_t off, uint64_t total)
 {
@@ -226,8 +246,9 @@ read_hot(FastPath *t, Py_ssize_t e, char *buf, size_t size, off_t off, uint64_t 
     int64_t at = COL(t, COL_OFFSET, int64_t)[e] + (int64_t)off;
     int hit = 0;
     pthread_mutex_lock(&t->hot_lock);
-    if (t->hot_buf && at >= t->hot_start && at + (int64_t)n <= t->hot_start + t->hot_len) {
-        memcpy(buf, t->hot_buf + (at - t->hot_start), n);
+    Py_ssize_t i = hot_find(t, at);
+    if (i >= 0 && at + (int64_t)n <= t->hot[i].start + t->hot[i].len) {
+        memcpy(buf, t->hot[i].buf + (at - t->hot[i].start), n);
         hit = 1;
     }
     pthread_mutex_unlock(&t->hot_lock);
@@ -320,8 +341,9 @@ FastPath_dealloc(FastPath *self)
         active = NULL;
     for (int i = 0; i < self->ncols_held; i++)
         PyBuffer_Release(&self->cols[i]);
-    if (self->hot_held)
-        PyBuffer_Release(&self->hot_view);
+    for (Py_ssize_t i = 0; i < self->nhot; i++)
+        PyBuffer_Release(&self->hot[i].view);
+    PyMem_RawFree(self->hot);
     if (self->lookup)
         pthread_mutex_destroy(&self->hot_lock);
     PyMem_RawFree(self->slots);
@@ -430,8 +452,16 @@ FastPath_activate(FastPath *self, PyObject *args)
     return Py_BuildValue("KK", (unsigned long long)(uintptr_t)fp_getattr, (unsigned long long)(uintptr_t)fp_read);
 }
 
+static void
+hot_lock_released_gil(FastPath *self)
+{
+    Py_BEGIN_ALLOW_THREADS /* a C reader may be copying out of an extent */
+    pthread_mutex_lock(&self->hot_lock);
+    Py_END_ALLOW_THREADS
+}
+
 static PyObject *
-FastPath_set_hot(FastPath *self, PyObject *args)
+FastPath_add_hot(FastPath *self, PyObject *args)
 {
     long long start;
     PyObject *data;
@@ -441,24 +471,70 @@ FastPath_set_hot(FastPath *self, PyObject *args)
         PyErr_SetString(PyExc_RuntimeError, "FastPath is not initialised");
         return NULL;
     }
-    Py_buffer view, old;
-    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0)
+    HotExtent e = {.start = start};
+    if (PyObject_GetBuffer(data, &e.view, PyBUF_SIMPLE) < 0)
         return NULL;
-    int had;
-    Py_BEGIN_ALLOW_THREADS /* a C reader may be copying out of the old extent */
-    pthread_mutex_lock(&self->hot_lock);
-    Py_END_ALLOW_THREADS
-    old = self->hot_view;
-    had = self->hot_held;
-    self->hot_view = view;
-    self->hot_held = 1;
-    self->hot_buf = view.buf;
-    self->hot_start = start;
-    self->hot_len = view.len;
+    e.buf = e.view.buf;
+    e.len = e.view.len;
+    Py_buffer old;
+    int replaced = 0;
+    hot_lock_released_gil(self);
+    Py_ssize_t i = hot_find(self, start);
+    if (i >= 0 && self->hot[i].start == start) {
+        old = self->hot[i].view;
+        self->hot[i] = e;
+        replaced = 1;
+    } else {
+        if (self->nhot == self->hot_cap) {
+            Py_ssize_t cap = self->hot_cap ? 2 * self->hot_cap : 64;
+            HotExtent *grown = PyMem_RawRealloc(self->hot, (size_t)cap * sizeof(HotExtent));
+            if (!grown) {
+                pthread_mutex_unlock(&self->hot_lock);
+                PyBuffer_Release(&e.view);
+                return PyErr_NoMemory();
+            }
+            self->hot = grown;
+            self->hot_cap = cap;
+        }
+        memmove(&self->hot[i + 2], &self->hot[i + 1], (size_t)(self->nhot - i - 1) * sizeof(HotExtent));
+        self->hot[i + 1] = e;
+        self->nhot++;
+    }
     pthread_mutex_unlock(&self->hot_lock);
-    if (had)
+    if (replaced)
         PyBuffer_Release(&old);
     Py_RETURN_NONE;
+}
+
+static PyObject *
+FastPath_drop_hot(FastPath *self, PyObject *args)
+{
+    long long start;
+    if (!PyArg_ParseTuple(args, "L", &start))
+        return NULL;
+    if (!self->lookup)
+        Py_RETURN_FALSE;
+    Py_buffer old;
+    int found = 0;
+    hot_lock_released_gil(self);
+    Py_ssize_t i = hot_find(self, start);
+    if (i >= 0 && self->hot[i].start == start) {
+        old = self->hot[i].view;
+        memmove(&self->hot[i], &self->hot[i + 1], (size_t)(self->nhot - i - 1) * sizeof(HotExtent));
+        self->nhot--;
+        found = 1;
+    }
+    pthread_mutex_unlock(&self->hot_lock);
+    if (!found)
+        Py_RETURN_FALSE;
+    PyBuffer_Release(&old); /* after the unlock: releasing may free the extent */
+    Py_RETURN_TRUE;
+}
+
+static PyObject *
+FastPath_hot_count(FastPath *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSsize_t(self->nhot);
 }
 
 static PyObject *
@@ -492,14 +568,17 @@ static PyMethodDef FastPath_methods[] = {
      "activate(getattr_fallback, read_fallback) -> (getattr_address, read_address)\n"
      "Serve from this table; returns the C callbacks to put in fuse_operations."},
     {"lookup", (PyCFunction)FastPath_lookup, METH_O, "lookup(path) -> entry id or -1 (for tests)"},
-    {"set_hot", (PyCFunction)FastPath_set_hot, METH_VARARGS,
-     "set_hot(start, data): the container-stream extent (any buffer) at `start` that reads may be served from in C"},
+    {"add_hot", (PyCFunction)FastPath_add_hot, METH_VARARGS,
+     "add_hot(start, data): serve reads inside this container-stream extent (any buffer) in C"},
+    {"drop_hot", (PyCFunction)FastPath_drop_hot, METH_VARARGS,
+     "drop_hot(start) -> bool: stop serving from the extent at `start` and release it"},
     {"stats", (PyCFunction)FastPath_stats, METH_NOARGS, "Counters of requests served in C and passed on."},
     {NULL},
 };
 
 static PyGetSetDef FastPath_getset[] = {
     {"nbytes", (getter)FastPath_nbytes, NULL, "memory held by the hash table", NULL},
+    {"hot_extents", (getter)FastPath_hot_count, NULL, "number of extents reads are served from in C", NULL},
     {NULL},
 };
 

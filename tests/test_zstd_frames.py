@@ -362,3 +362,42 @@ def test_native_frame_decoder_checks_size_and_checksum(tmp_path: Path) -> None:
             dec.feed(payload)
         with pytest.raises(RuntimeError):
             dec.feed(comp)  # a failed decoder needs start() again
+
+
+def test_hot_extents_in_c_mirror_the_frames_the_cache_holds(packed: Path, src: Path, tmp_path: Path) -> None:
+    """Every cached frame the reader served from is readable in C; evicted ones are let go at once."""
+    fastpath = pytest.importorskip("cdmlfs.fastpath")
+    native_module("cdmlfs._fastpath")
+    with Archive(str(packed), index_dir=str(tmp_path / "idx"), cache_size=3 * (1 << 20)) as ar:
+        table = fastpath.build_table(ar)
+        hot = fastpath.attach(ar, table)
+        frames = {key for key in ar.cache._lru if key[0] != "tar"}
+        assert table.hot_extents == 0 and not frames
+        for path in sorted(p.relative_to(src).as_posix() for p in src.rglob("*.bin")):
+            assert ar.read(path) == (src / path).read_bytes()
+            cached = set(ar.cache._lru)
+            assert set(hot._starts) <= cached  # never a view of something the cache let go
+            assert table.hot_extents == len(hot._starts)
+        assert ar.cache.stats.evictions > 0  # the 3 MiB cache could not keep all frames
+        assert table.hot_extents >= 1
+        ar.cache.clear()
+        assert table.hot_extents == 0
+
+
+@pytest.mark.fuse
+def test_mount_serves_reads_across_many_frames_in_c(
+    packed: Path, src: Path, tmp_path: Path, mnt: Path
+) -> None:
+    """Directory order jumps between frames (files of c0, c1, c2 alternate in the archive)."""
+    with mounted(packed, mnt, "--index-dir", str(tmp_path / "idx")):
+        paths = sorted(p.relative_to(src).as_posix() for p in src.rglob("*.bin"))
+        for path in paths:
+            assert (mnt / path).read_bytes() == (src / path).read_bytes()
+        stats = json.loads(run_cli("stats", "--json", str(mnt), check=True).stdout)
+        fast = stats["fast_path"]
+        if fast is None:
+            pytest.skip("C fast path not active")
+        frames = stats["cache"]["extents"]
+        assert 1 <= fast["hot_extents"] <= frames, fast
+        # Only reads that reach a frame before it is cached and reported go to Python.
+        assert fast["read_fast"] >= len(paths) // 2, fast
