@@ -23,6 +23,7 @@ REQUIRE_NATIVE = os.environ.get("CDMLFS_REQUIRE_NATIVE") == "1"
 NATIVE_SOURCES = ["native/cdmlfs_native.c"]
 FASTPATH_SOURCES = ["native/fastpath.c"]
 ZSTDFRAME_SOURCES = ["native/zstdframe.c"]
+FUSELOOP_SOURCES = ["native/fuseloop.c"]
 
 
 def _warn(message: str) -> None:
@@ -73,6 +74,8 @@ class OptionalBuildExt(build_ext):
         # Asked here, not at import, so that pip's several setup.py runs warn once.
         if ext.name == ZSTDFRAME.name:
             cflags, libs = _library_flags("libzstd", "-lzstd")
+        elif ext.name == FUSELOOP.name:
+            cflags, libs = _library_flags("fuse3", "-lfuse3")
         else:
             cflags, libs = _library_flags("libdeflate", "-ldeflate")
             libs = [*libs, "-lz"]
@@ -87,10 +90,11 @@ class OptionalBuildExt(build_ext):
         if REQUIRE_NATIVE:
             raise exc
         _warn(
-            f"building a C accelerator (cdmlfs._native, _fastpath or _zstdframe) failed ({exc}).\n"
-            "cdmlfs will work, using the slower pure-Python inflate and zstd paths. To build\n"
-            "it, install a C compiler, pkg-config, libdeflate, zlib and zstd headers (Debian:\n"
-            "build-essential pkg-config libdeflate-dev zlib1g-dev libzstd-dev libxxhash-dev) and reinstall."
+            f"building a C accelerator (cdmlfs._native, _fastpath, _zstdframe or _fuseloop) failed ({exc}).\n"
+            "cdmlfs will work, using the slower pure-Python inflate and zstd paths and libfuse's\n"
+            "own loop. To build it, install a C compiler, pkg-config, libdeflate, zlib, zstd and\n"
+            "libfuse3 headers (Debian: build-essential pkg-config libdeflate-dev zlib1g-dev libzstd-dev\n"
+            "libxxhash-dev libfuse3-dev) and reinstall."
         )
 
 
@@ -107,4 +111,7 @@ FASTPATH = Extension("cdmlfs._fastpath", sources=FASTPATH_SOURCES, optional=not 
 # Frame-by-frame zstd decoding into caller buffers (libzstd); see native/zstdframe.c.
 ZSTDFRAME = Extension("cdmlfs._zstdframe", sources=ZSTDFRAME_SOURCES, optional=not REQUIRE_NATIVE)
 
-setup(ext_modules=[NATIVE, FASTPATH, ZSTDFRAME], cmdclass={"build_ext": OptionalBuildExt})
+# libfuse3's main loop, polling briefly between requests (libfuse3); see native/fuseloop.c.
+FUSELOOP = Extension("cdmlfs._fuseloop", sources=FUSELOOP_SOURCES, optional=not REQUIRE_NATIVE)
+
+setup(ext_modules=[NATIVE, FASTPATH, ZSTDFRAME, FUSELOOP], cmdclass={"build_ext": OptionalBuildExt})

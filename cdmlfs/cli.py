@@ -15,7 +15,7 @@ import stat as statmod
 import sys
 import time
 
-from cdmlfs import __version__
+from cdmlfs import __version__, fuseloop
 from cdmlfs.errors import CdmlfsError, UsageError
 
 log = logging.getLogger("cdmlfs")
@@ -31,6 +31,16 @@ def parse_size(text: str) -> int:
     number, unit = float(m.group(1)), m.group(2).lower()
     power = " kmgtp".index(unit) if unit else 0
     return int(number * (1024**power))
+
+
+def _poll_us(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"invalid poll time {text!r} (microseconds, 0 to 1000000)")
+    return value
 
 
 def parse_fuse_options(values: list[str]) -> dict[str, str | bool]:
@@ -131,6 +141,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         pid_file=os.path.abspath(args.pid_file) if args.pid_file else None,
         direct_io_min=None if args.direct_io_min == 0 else args.direct_io_min,
         readahead=args.readahead,
+        poll_us=args.poll_us,
     )
     if args.foreground:
         serve(archive, opts)
@@ -255,6 +266,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"libfuse: unavailable ({exc})")
     fast, why = fastpath.availability(fuse_major)
     print(f"FUSE hot path: {'C' if fast else 'Python'} ({why})")
+    polling, why = fuseloop.availability(fuse_major)
+    print(f"FUSE loop: {'cdmlfs polling loop' if polling else 'libfuse'} ({why})")
     print(f"/dev/fuse: {'present' if os.path.exists('/dev/fuse') else 'missing'}")
     for tool in ("fusermount3", "fusermount"):
         print(f"{tool}: {shutil.which(tool) or 'not found'}")
@@ -306,7 +319,13 @@ def _format_stats(s: dict) -> str:
     if s.get("fast_path"):
         f = s["fast_path"]
         lines.append(f"C path    {f['getattr_fast']:,} getattr and {f['read_fast']:,} reads served in C "
-                     f"({f['getattr_fallback']:,} / {f['read_fallback']:,} passed to Python)")  # fmt: skip
+                     f"({f['getattr_fallback']:,} / {f['read_fallback']:,} passed to Python), "
+                     f"{f.get('hot_extents', 0):,} decoded extents readable in C")  # fmt: skip
+    if s.get("loop"):
+        lp = s["loop"]
+        lines.append(f"loop      polling {lp['spin_us']} us between requests: {lp['woke_spinning']:,} of "
+                     f"{lp['requests']:,} requests arrived while polling, "
+                     f"{lp['woke_sleeping']:,} woke it")  # fmt: skip
     if s.get("source"):
         lines.append("source    " + ", ".join(f"{k} {v}" for k, v in sorted(s["source"].items())))
     if s.get("decoder"):
@@ -402,6 +421,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=4 << 20,
         metavar="SIZE",
         help="kernel readahead for this mount when running as root (default 4M; FUSE's is 128K)",
+    )
+    p.add_argument(
+        "--poll-us",
+        type=_poll_us,
+        default=fuseloop.DEFAULT_POLL_US,
+        metavar="N",
+        help="single-threaded loop: after each request, poll for the next one for N microseconds "
+        "before sleeping, which saves waking an idle CPU "
+        f"(default {fuseloop.DEFAULT_POLL_US}; 0: sleep at once)",
     )
     p.add_argument("--pid-file", help="write the serving process id here (removed on exit)")
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)

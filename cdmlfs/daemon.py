@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from cdmlfs import fastpath
+from cdmlfs import fastpath, fuseloop
 from cdmlfs.archive import Archive
 from cdmlfs.errors import CdmlfsError
 from cdmlfs.fuse_ops import ArchiveOperations, load_mfusepy, make_fuse_class
@@ -47,6 +47,7 @@ class ServeOptions:
     pid_file: str | None = None
     direct_io_min: int | None = None  # None: kernel no-open mode (see fuse_ops)
     readahead: int | None = DEFAULT_READAHEAD
+    poll_us: int = fuseloop.DEFAULT_POLL_US  # single-threaded loop: poll this long between requests
 
     def multithreaded(self, archive: Archive) -> bool:
         if self.threads == "auto":
@@ -147,8 +148,13 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
     if table is not None:
         fastpath.attach(archive, table)
     log.debug("C fast path: %s", why if fast else f"off ({why})")
+    poll_us = 0 if multithreaded else opts.poll_us
     try:
-        with fastpath.installed(mfusepy, table) if table is not None else contextlib.nullcontext():
+        with (
+            fuseloop.installed(mfusepy, poll_us) as polling,
+            fastpath.installed(mfusepy, table) if table is not None else contextlib.nullcontext(),
+        ):
+            ops.polling_loop = polling
             fuse_cls(ops, opts.mountpoint, raw_fi=True, errors="surrogateescape", **fuse_kwargs)
     except RuntimeError as exc:
         # libfuse's main returns non-zero when its loop ended on SIGTERM/SIGINT/SIGHUP; after a

@@ -30,6 +30,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+from cdmlfs import fuseloop
 from cdmlfs.archive import Archive
 from cdmlfs.errors import CdmlfsError, MemberError
 from cdmlfs.index import DIR, SYMLINK
@@ -82,6 +83,7 @@ class ArchiveOperations:
         self._log_lock = threading.Lock()
         self.ready_callback = None  # called once libfuse has mounted and initialised
         self.fast_table = None  # the C fast path's table when active (its counters feed stats)
+        self.polling_loop = False  # whether cdmlfs._fuseloop runs the FUSE loop (see cdmlfs.fuseloop)
         self.serving = "single-threaded"
         self._total_bytes: int | None = None
         self._index_bytes = self.index.nbytes()
@@ -288,6 +290,7 @@ class ArchiveOperations:
             "uptime_s": round(time.time() - st.started, 1),
             "serving": self.serving,
             "fast_path": fast,
+            "loop": fuseloop.stats() if self.polling_loop else None,
             "cache": {
                 "limit": cache.limit,
                 "held": cache.held,

@@ -1,0 +1,88 @@
+"""The polling FUSE loop (cdmlfs._fuseloop): serves like libfuse's, polls while busy, sleeps when idle."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from archives import python_zip, sample_files
+from inflateutil import native_module
+from mountutil import daemon_pid, is_mounted, mounted, run_cli
+
+pytestmark = pytest.mark.fuse
+
+
+def _many_files(n: int = 400) -> dict[str, bytes]:
+    return {f"d{i % 7}/f{i:04d}.bin": os.urandom(100 + i) for i in range(n)}
+
+
+def _read_all(mnt: Path, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        with open(mnt / name, "rb", buffering=0) as f:
+            assert f.read() == data, name
+
+
+def test_polling_loop_serves_and_counts_requests_that_found_it_polling(tmp_path: Path, mnt: Path) -> None:
+    native_module("cdmlfs._fuseloop")
+    files = _many_files()
+    archive = python_zip(tmp_path / "many.zip", files)
+    with mounted(archive, mnt, "--poll-us", "200"):
+        _read_all(mnt, files)
+        loop = json.loads(run_cli("stats", "--json", str(mnt), check=True).stdout)["loop"]
+        assert loop is not None and loop["spin_us"] == 200
+        assert loop["requests"] >= 2 * len(files)  # a lookup and a read per file, at least
+        # Back-to-back small reads: most requests arrive while the loop is still polling.
+        assert loop["woke_spinning"] > loop["woke_sleeping"]
+        assert (
+            "loop      polling 200 us between requests"
+            in run_cli("stats", str(mnt), check=True).stdout.decode()
+        )
+
+
+def test_polling_loop_sleeps_when_the_mount_is_idle(tmp_path: Path, mnt: Path) -> None:
+    native_module("cdmlfs._fuseloop")
+    files = _many_files(100)
+    archive = python_zip(tmp_path / "idle.zip", files)
+    with mounted(archive, mnt, "--poll-us", "1000"):
+        _read_all(mnt, files)
+        proc = psutil.Process(daemon_pid(mnt))
+        time.sleep(0.2)
+        before = sum(proc.cpu_times()[:2])
+        time.sleep(1.5)
+        idle_cpu = sum(proc.cpu_times()[:2]) - before
+        assert idle_cpu < 0.3, f"daemon used {idle_cpu:.2f} s of CPU in 1.5 s of idleness"
+        _read_all(mnt, files)  # and wakes up again for the next request
+
+
+def test_zero_poll_time_keeps_libfuse_loop_and_bad_values_are_refused(tmp_path: Path, mnt: Path) -> None:
+    files = sample_files()
+    archive = python_zip(tmp_path / "s.zip", files)
+    with mounted(archive, mnt, "--poll-us", "0"):
+        _read_all(mnt, {k: v for k, v in files.items() if not k.endswith("/")})
+        assert json.loads(run_cli("stats", "--json", str(mnt), check=True).stdout)["loop"] is None
+    res = run_cli("mount", str(archive), str(mnt), "--poll-us", "-5")
+    assert res.returncode == 2 and b"invalid poll time" in res.stderr
+    assert not is_mounted(mnt)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signals_end_the_polling_loop_and_unmount(sig: int, tmp_path: Path, mnt: Path) -> None:
+    native_module("cdmlfs._fuseloop")
+    files = _many_files(50)
+    archive = python_zip(tmp_path / "sig.zip", files)
+    with mounted(archive, mnt):
+        _read_all(mnt, files)
+        pid = daemon_pid(mnt)
+        os.kill(pid, sig)
+        for _ in range(250):
+            if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                break
+            time.sleep(0.02)
+        else:
+            pytest.fail("the daemon did not exit on the signal")
+        assert not is_mounted(mnt)
