@@ -16,6 +16,7 @@ import os
 from array import array
 from collections.abc import Hashable, Iterator
 
+from cdmlfs import extensions
 from cdmlfs.archive import Archive
 from cdmlfs.cache import ExtentCache
 from cdmlfs.index import DIR
@@ -25,15 +26,8 @@ log = logging.getLogger(__name__)
 
 def availability(fuse_major: int | None = None) -> tuple[bool, str]:
     """Whether the C fast path can serve, and why not."""
-    if os.environ.get("CDMLFS_FASTPATH", "1") == "0":
-        return False, "disabled by CDMLFS_FASTPATH=0"
-    try:
-        from cdmlfs import _fastpath  # noqa: F401
-    except ImportError as exc:
-        return False, f"cdmlfs._fastpath not built: {exc}"
-    if fuse_major is not None and fuse_major != 3:
-        return False, f"needs libfuse3 (libfuse{fuse_major} loaded)"
-    return True, "C getattr/read callbacks"
+    ready = "C getattr/read callbacks"
+    return extensions.availability("cdmlfs._fastpath", "CDMLFS_FASTPATH", fuse_major, ready)
 
 
 def build_table(archive: Archive):

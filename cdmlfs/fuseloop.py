@@ -18,8 +18,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import os
 from collections.abc import Iterator
+
+from cdmlfs import extensions
 
 log = logging.getLogger(__name__)
 
@@ -28,15 +29,8 @@ DEFAULT_POLL_US = 50
 
 def availability(fuse_major: int | None = None) -> tuple[bool, str]:
     """Whether the polling loop can run, and why not."""
-    if os.environ.get("CDMLFS_FUSELOOP", "1") == "0":
-        return False, "disabled by CDMLFS_FUSELOOP=0"
-    try:
-        from cdmlfs import _fuseloop  # noqa: F401
-    except ImportError as exc:
-        return False, f"cdmlfs._fuseloop not built: {exc}"
-    if fuse_major is not None and fuse_major != 3:
-        return False, f"needs libfuse3 (libfuse{fuse_major} loaded)"
-    return True, "polls between requests"
+    ready = "polls between requests"
+    return extensions.availability("cdmlfs._fuseloop", "CDMLFS_FUSELOOP", fuse_major, ready)
 
 
 def stats() -> dict | None:

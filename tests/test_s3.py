@@ -42,6 +42,15 @@ def _small_zip(
     return python_zip(tmp_path / name, files, method)
 
 
+def _stored_zip_on(endpoint, bucket: str, key: str, tmp_path: Path, members: dict[str, bytes]) -> None:
+    """A ZIP of stored ``members`` put at ``s3://bucket/key`` on ``endpoint``."""
+    path = tmp_path / key
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    endpoint.put(bucket, key, path)
+
+
 def _many_small_zip(path: Path, n: int, size: int = 2048, seed: int = 0) -> Path:
     rng = random.Random(seed)
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
@@ -151,11 +160,7 @@ def test_sequential_read_of_a_large_member_prefetches_in_parallel(
     localbucket_s3, proxy_to, tmp_path: Path
 ) -> None:
     data = random.Random(3).randbytes(40 * MiB)
-    path = tmp_path / "large.zip"
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
-        zf.writestr("small.txt", b"hello")
-        zf.writestr("large.bin", data)
-    localbucket_s3.put("bench", "large.zip", path)
+    _stored_zip_on(localbucket_s3, "bench", "large.zip", tmp_path, {"small.txt": b"hello", "large.bin": data})
     proxy = proxy_to(localbucket_s3)
     with Archive("s3://bench/large.zip", endpoint_url=proxy.url, cache_size=64 * MiB) as remote:
         proxy.reset_stats()
@@ -175,10 +180,7 @@ def test_long_scan_receives_into_recycled_buffers_over_kept_alive_connections(
     localbucket_s3, proxy_to, tmp_path: Path
 ) -> None:
     data = random.Random(6).randbytes(96 * MiB)
-    path = tmp_path / "scan.zip"
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
-        zf.writestr("large.bin", data)
-    localbucket_s3.put("bench", "scan.zip", path)
+    _stored_zip_on(localbucket_s3, "bench", "scan.zip", tmp_path, {"large.bin": data})
     proxy = proxy_to(localbucket_s3)
     # The default cache (512 MiB): 8 MiB parts and four spares (a sixteenth of the cache).
     with Archive("s3://bench/scan.zip", endpoint_url=proxy.url) as remote:
@@ -204,10 +206,7 @@ def test_faults_during_a_long_scan_into_recycled_buffers_give_zero_wrong_bytes(
     localbucket_s3, proxy_to, tmp_path: Path
 ) -> None:
     data = random.Random(7).randbytes(80 * MiB)  # above the 64 MiB read-whole limit: a streamed scan
-    path = tmp_path / "faulty-scan.zip"
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
-        zf.writestr("large.bin", data)
-    localbucket_s3.put("faults", "faulty-scan.zip", path)
+    _stored_zip_on(localbucket_s3, "faults", "faulty-scan.zip", tmp_path, {"large.bin": data})
     proxy = proxy_to(localbucket_s3, stall_seconds=1.0)
     with Archive(
         "s3://faults/faulty-scan.zip",

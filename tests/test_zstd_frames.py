@@ -81,6 +81,15 @@ def _wait_cached(ar: Archive, key: tuple, timeout: float = 10.0):
     raise AssertionError(f"{key} never entered the cache")
 
 
+def _source_paths(src: Path) -> list[str]:
+    return sorted(p.relative_to(src).as_posix() for p in src.rglob("*.bin"))
+
+
+def _read_all_through(mnt: Path, src: Path, paths: list[str]) -> None:
+    for path in paths:
+        assert (mnt / path).read_bytes() == (src / path).read_bytes()
+
+
 def _members_of_frame(ar: Archive, i: int) -> list[str]:
     fr = ar.format.stream.frames
     lo, hi = fr.dec_offset[i], fr.dec_offset[i] + fr.dec_size[i]
@@ -287,10 +296,9 @@ def test_mount_serves_early_members_and_stats_show_it(
     packed: Path, src: Path, tmp_path: Path, mnt: Path
 ) -> None:
     with mounted(packed, mnt, "--index-dir", str(tmp_path / "idx")):
-        paths = sorted(p.relative_to(src).as_posix() for p in src.rglob("*.bin"))
+        paths = _source_paths(src)
         random.Random(2).shuffle(paths)
-        for path in paths:
-            assert (mnt / path).read_bytes() == (src / path).read_bytes()
+        _read_all_through(mnt, src, paths)
         stats = json.loads(run_cli("stats", "--json", str(mnt), check=True).stdout)
         decoder = stats["decoder"]
         assert decoder["early_frames"] >= 1  # first reads of frames answered before the frame was done
@@ -373,7 +381,7 @@ def test_hot_extents_in_c_mirror_the_frames_the_cache_holds(packed: Path, src: P
         hot = fastpath.attach(ar, table)
         frames = {key for key in ar.cache._lru if key[0] != "tar"}
         assert table.hot_extents == 0 and not frames
-        for path in sorted(p.relative_to(src).as_posix() for p in src.rglob("*.bin")):
+        for path in _source_paths(src):
             assert ar.read(path) == (src / path).read_bytes()
             cached = set(ar.cache._lru)
             assert set(hot._starts) <= cached  # never a view of something the cache let go
@@ -390,9 +398,8 @@ def test_mount_serves_reads_across_many_frames_in_c(
 ) -> None:
     """Directory order jumps between frames (files of c0, c1, c2 alternate in the archive)."""
     with mounted(packed, mnt, "--index-dir", str(tmp_path / "idx")):
-        paths = sorted(p.relative_to(src).as_posix() for p in src.rglob("*.bin"))
-        for path in paths:
-            assert (mnt / path).read_bytes() == (src / path).read_bytes()
+        paths = _source_paths(src)
+        _read_all_through(mnt, src, paths)
         stats = json.loads(run_cli("stats", "--json", str(mnt), check=True).stdout)
         fast = stats["fast_path"]
         if fast is None:
