@@ -148,7 +148,8 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
     if table is not None:
         fastpath.attach(archive, table)
     log.debug("C fast path: %s", why if fast else f"off ({why})")
-    poll_us = 0 if multithreaded else opts.poll_us
+    # libfuse's "remember" option needs its own loop (fuse_session_loop_remember).
+    poll_us = 0 if multithreaded or "remember" in opts.fuse_options else opts.poll_us
     try:
         with (
             fuseloop.installed(mfusepy, poll_us) as polling,

@@ -25,6 +25,7 @@ decoded bytes never exceed the cache limit.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable, Hashable
@@ -40,6 +41,8 @@ from cdmlfs.errors import (
 )
 from cdmlfs.index import DEFLATE, ENCRYPTED, IN_STREAM, MEMBER_CRC, STORED, Index
 from cdmlfs.sources.base import Source
+
+log = logging.getLogger(__name__)
 
 WHOLE_MEMBER_MAX = 64 << 20
 EXTENT_SIZE = 4 << 20
@@ -111,7 +114,6 @@ class ExtentReader:
         # follow it inside that extent, e.g. a tar.zst read in archive order).
         # Told (cache key, stream offset, bytes or mmap) of each container extent a read is served from.
         self.on_extent: Callable[[Hashable, int, object], object] | None = None
-        self._hot_key: Hashable | None = None
         forksafe.register(self)
 
     def _before_fork(self) -> None:
@@ -443,9 +445,11 @@ class ExtentReader:
             lo = max(offset - start, 0)
             hi = min(end - start, length)
             parts.append(_view(chunk, lo, hi))
-        if self.on_extent is not None and key != self._hot_key:
-            self._hot_key = key
-            self.on_extent(key, start, chunk)
+        if self.on_extent is not None:
+            try:
+                self.on_extent(key, start, chunk)
+            except Exception as exc:  # an optimisation: the read itself has its bytes
+                log.debug("could not hand extent %r to the C path: %s", key, exc)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
 

@@ -55,7 +55,8 @@ spin_loop(struct fuse_session *se)
             if (now_ns() - last < atomic_load_explicit(&spin_ns, memory_order_relaxed))
                 continue;
             struct pollfd p = {.fd = fd, .events = POLLIN};
-            if (poll(&p, 1, -1) < 0 && errno != EINTR) {
+            /* A finite wait: a signal taken by another thread sets the exit flag without waking us. */
+            if (poll(&p, 1, 1000) < 0 && errno != EINTR) {
                 res = -errno;
                 break;
             }

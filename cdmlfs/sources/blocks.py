@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 KiB = 1 << 10
 MiB = 1 << 20
 
+MAX_REPLANS = 8  # a reader whose spans keep being dropped behind gives up after this many plans
 PENDING = 0  # prefetch queued, no reservation yet: readers cancel it rather than wait
 FETCHING = 1  # request running: readers wait for it
 DONE = 2  # bytes are (or were, until evicted) in the cache under the span's key
@@ -194,7 +195,7 @@ class BlockLayer:
         self._closed = True
         self._shutdown_pools(wait=False)
         if self._buffers is not None:
-            self._buffers.clear()
+            self._buffers.close()
         with self._lock:
             spans = list(self._spans.values())
             self._starts.clear()
@@ -214,7 +215,14 @@ class BlockLayer:
                 pool.submit(self._run_foreground, span)
 
     def _collect(
-        self, offset: int, end: int, pieces: list, own: list[_Span], waits: list[_Span], retry: bool = True
+        self,
+        offset: int,
+        end: int,
+        pieces: list,
+        own: list[_Span],
+        waits: list[_Span],
+        retry: bool = True,
+        replans: int = 0,
     ) -> list[tuple[int, bytes]]:
         """Wait for our requests and the ones we share: all pieces that cover [offset, end)."""
         for span in own:
@@ -222,13 +230,21 @@ class BlockLayer:
         for span in waits:
             try:
                 pieces.append((span.start, span.future.result()))  # type: ignore[union-attr]
+            except _Dropped:
+                # Another reader of the stream dropped it behind itself: plan again (its bytes are
+                # fetched by us now). Not a failure, so it does not use up the one retry below.
+                if replans >= MAX_REPLANS:
+                    raise
+                pieces, own, waits = self._plan(offset, end, 0)
+                self._submit(own)
+                return self._collect(offset, end, pieces, own, waits, retry, replans + 1)
             except Exception:
                 if not (span.prefetch and retry):
                     raise
                 # A failed prefetch (already retried, now out of the index): fetch the bytes ourselves once.
                 pieces, own, waits = self._plan(offset, end, 0)
                 self._submit(own)
-                return self._collect(offset, end, pieces, own, waits, retry=False)
+                return self._collect(offset, end, pieces, own, waits, False, replans)
         return pieces
 
     def _plan(self, offset: int, end: int, expand: int) -> tuple[list, list[_Span], list[_Span]]:
@@ -395,7 +411,10 @@ class BlockLayer:
         with self._lock:
             q = stream.prefetched
             while q and q[0].end + lag < stream.next:
-                span = q.popleft()
+                span = q[0]
+                if span.state == DONE and not _settled(span):
+                    break  # its fetch thread has yet to hand the bytes to waiting readers: next time
+                q.popleft()
                 if span.state == DONE and self._spans.get(span.start) is span:
                     self._remove(span)
                     dropped.append(self.cache.pop(span.key))
@@ -487,9 +506,20 @@ class BlockLayer:
         return f"BlockLayer({self.name!r}, spans={len(self._spans)}, pid={os.getpid()})"
 
 
+def _settled(span: _Span) -> bool:
+    # A function, not a local in the caller: a reference to the finished future would keep its
+    # bytes referenced, and BufferPool.recycle would (rightly) refuse the buffer.
+    fut = span.future
+    return fut is None or fut.done()
+
+
+class _Dropped(SourceError):
+    """A prefetched span was dropped behind its stream before this reader collected it."""
+
+
 def _dropped_future() -> Future:
     fut: Future = Future()
-    fut.set_exception(SourceError("prefetched span dropped behind the reader"))
+    fut.set_exception(_Dropped("prefetched span dropped behind the reader"))
     return fut
 
 

@@ -30,6 +30,20 @@ from cdmlfs.cache import ExtentCache, Reservation
 MAX_SPARES = 4
 
 
+def _count_when_unshared() -> int:
+    """``sys.getrefcount`` of a buffer only ``recycle`` holds, measured the way ``recycle`` measures.
+
+    The count a local variable adds differs between CPython versions (3.14 borrows
+    references to locals), so it is measured at import rather than assumed.
+    """
+    dropped = [bytearray(1)]
+    buf = dropped.pop()
+    return sys.getrefcount(buf)
+
+
+UNSHARED = _count_when_unshared()
+
+
 class BufferPool:
     """Spare ``bytearray`` receive buffers of one size, each with its cache reservation."""
 
@@ -39,6 +53,7 @@ class BufferPool:
         self.max_spares = max(0, min(max_spares, cache.limit // 16 // max(size, 1)))
         self._spares: list[tuple[bytearray, Reservation]] = []
         self._lock = threading.Lock()
+        self._closed = False
         self.reused = 0  # buffers handed out again (for stats and tests)
         self.recycled = 0
         forksafe.register(self)
@@ -59,26 +74,27 @@ class BufferPool:
         """Keep buffers from ``dropped`` (emptied) that are unshared, of our size, while there is room."""
         while dropped:
             buf = dropped.pop()
-            # Two references: ``buf`` and getrefcount's argument. More: a reader is still copying.
-            if type(buf) is not bytearray or len(buf) != self.size or sys.getrefcount(buf) > 2:
+            # More references than ``buf`` alone gives: a reader is still copying out of it.
+            if type(buf) is not bytearray or len(buf) != self.size or sys.getrefcount(buf) > UNSHARED:
                 continue
             with self._lock:
-                if len(self._spares) >= self.max_spares:
+                if self._closed or len(self._spares) >= self.max_spares:
                     continue
             room = self.cache.hold(self.size, wait=False)
             if room is None:  # the cache is busy with other reservations: let the buffer go
                 continue
             with self._lock:
-                if len(self._spares) < self.max_spares:
+                if not self._closed and len(self._spares) < self.max_spares:
                     self._spares.append((buf, room))
                     self.recycled += 1
                     room = None
             if room is not None:
                 room.release()
 
-    def clear(self) -> None:
-        """Give back every spare and its reservation."""
+    def close(self) -> None:
+        """Give back every spare and its reservation; keep no more (a read may still be finishing)."""
         with self._lock:
+            self._closed = True
             spares, self._spares = self._spares, []
         for _, room in spares:
             room.release()

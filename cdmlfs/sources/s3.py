@@ -383,6 +383,9 @@ class S3Object:
                         if m and m.group(3) != "*" and int(m.group(3)) != self.size:
                             raise self._mark_changed(f"its size is now {m.group(3)} bytes")
                         raise _Transient(f"asked for {expect}, got Content-Range {crange!r}")
+                length = resp.get("ContentLength")
+                if length is not None and length != n:  # readinto stops at n: never accept more
+                    raise _Transient(f"asked for {n} bytes, the reply says {length}")
                 return consume(body)
             finally:
                 body.close()
