@@ -76,7 +76,7 @@ typedef struct {
      * are copied from in C, sorted by start. Each holds a buffer export (bytes, or the mmap a frame
      * was decoded into), so the memory stays valid while C reads from it; Python adds an extent
      * the cache holds and drops it when the cache lets it go, so the set never outgrows the bound. */
-    pthread_mutex_t hot_lock;
+    pthread_rwlock_t hot_lock; /* C reads share it; adding or dropping an extent takes it alone */
     HotExtent *hot;
     Py_ssize_t nhot, hot_cap;
     atomic_ullong getattr_fast, getattr_slow, read_fast, read_slow, bytes_fast, bytes_source;
@@ -245,13 +245,13 @@ read_hot(FastPath *t, Py_ssize_t e, char *buf, size_t size, off_t off, uint64_t 
     size_t n = (size_t)((uint64_t)off + size > total ? total - (uint64_t)off : size);
     int64_t at = COL(t, COL_OFFSET, int64_t)[e] + (int64_t)off;
     int hit = 0;
-    pthread_mutex_lock(&t->hot_lock);
+    pthread_rwlock_rdlock(&t->hot_lock);
     Py_ssize_t i = hot_find(t, at);
     if (i >= 0 && at + (int64_t)n <= t->hot[i].start + t->hot[i].len) {
         memcpy(buf, t->hot[i].buf + (at - t->hot[i].start), n);
         hit = 1;
     }
-    pthread_mutex_unlock(&t->hot_lock);
+    pthread_rwlock_unlock(&t->hot_lock);
     if (!hit)
         return -1;
     atomic_fetch_add_explicit(&t->read_fast, 1, memory_order_relaxed);
@@ -345,7 +345,7 @@ FastPath_dealloc(FastPath *self)
         PyBuffer_Release(&self->hot[i].view);
     PyMem_RawFree(self->hot);
     if (self->lookup)
-        pthread_mutex_destroy(&self->hot_lock);
+        pthread_rwlock_destroy(&self->hot_lock);
     PyMem_RawFree(self->slots);
     PyMem_RawFree((void *)self->keys);
     Py_XDECREF(self->lookup);
@@ -422,7 +422,15 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
             i = (i + 1) & self->mask;
         self->slots[i] = ((h >> 32) << 32) | (uint64_t)(eid + 1);
     }
-    pthread_mutex_init(&self->hot_lock, NULL);
+    pthread_rwlockattr_t attr;
+    pthread_rwlockattr_init(&attr);
+#if defined(__GLIBC__) && defined(__USE_GNU)
+    /* Readers never hold it long, but a stream of them must not starve an eviction (it waits
+     * with the cache lock held). */
+    pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+#endif
+    pthread_rwlock_init(&self->hot_lock, &attr);
+    pthread_rwlockattr_destroy(&attr);
     Py_INCREF(lookup_dict);
     self->lookup = lookup_dict;
     self->fd = fd;
@@ -453,10 +461,10 @@ FastPath_activate(FastPath *self, PyObject *args)
 }
 
 static void
-hot_lock_released_gil(FastPath *self)
+hot_lock_exclusive(FastPath *self)
 {
     Py_BEGIN_ALLOW_THREADS /* a C reader may be copying out of an extent */
-    pthread_mutex_lock(&self->hot_lock);
+    pthread_rwlock_wrlock(&self->hot_lock);
     Py_END_ALLOW_THREADS
 }
 
@@ -478,7 +486,7 @@ FastPath_add_hot(FastPath *self, PyObject *args)
     e.len = e.view.len;
     Py_buffer old;
     int replaced = 0;
-    hot_lock_released_gil(self);
+    hot_lock_exclusive(self);
     Py_ssize_t i = hot_find(self, start);
     if (i >= 0 && self->hot[i].start == start) {
         old = self->hot[i].view;
@@ -489,7 +497,7 @@ FastPath_add_hot(FastPath *self, PyObject *args)
             Py_ssize_t cap = self->hot_cap ? 2 * self->hot_cap : 64;
             HotExtent *grown = PyMem_RawRealloc(self->hot, (size_t)cap * sizeof(HotExtent));
             if (!grown) {
-                pthread_mutex_unlock(&self->hot_lock);
+                pthread_rwlock_unlock(&self->hot_lock);
                 PyBuffer_Release(&e.view);
                 return PyErr_NoMemory();
             }
@@ -500,7 +508,7 @@ FastPath_add_hot(FastPath *self, PyObject *args)
         self->hot[i + 1] = e;
         self->nhot++;
     }
-    pthread_mutex_unlock(&self->hot_lock);
+    pthread_rwlock_unlock(&self->hot_lock);
     if (replaced)
         PyBuffer_Release(&old);
     Py_RETURN_NONE;
@@ -516,7 +524,7 @@ FastPath_drop_hot(FastPath *self, PyObject *args)
         Py_RETURN_FALSE;
     Py_buffer old;
     int found = 0;
-    hot_lock_released_gil(self);
+    hot_lock_exclusive(self);
     Py_ssize_t i = hot_find(self, start);
     if (i >= 0 && self->hot[i].start == start) {
         old = self->hot[i].view;
@@ -524,7 +532,7 @@ FastPath_drop_hot(FastPath *self, PyObject *args)
         self->nhot--;
         found = 1;
     }
-    pthread_mutex_unlock(&self->hot_lock);
+    pthread_rwlock_unlock(&self->hot_lock);
     if (!found)
         Py_RETURN_FALSE;
     PyBuffer_Release(&old); /* after the unlock: releasing may free the extent */
