@@ -274,7 +274,6 @@ class ArchiveOperations:
         fast = self.fast_table.stats() if self.fast_table is not None else None
         if fast is not None:
             fast["hot_extents"] = self.fast_table.hot_extents
-        if fast is not None:
             requests["getattr"] += fast["getattr_fast"]
             requests["read"] += fast["read_fast"]
             served += fast["bytes_fast"]

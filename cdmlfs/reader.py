@@ -110,9 +110,8 @@ class ExtentReader:
             self.stream.bound_extents(self.whole_limit, self.extent_size, cache)
         # Bytes read straight from the file descriptor (the rest is counted by the source itself).
         self.bytes_direct = 0
-        # Told about the last container extent served (the C fast path answers the reads that
-        # follow it inside that extent, e.g. a tar.zst read in archive order).
-        # Told (cache key, stream offset, bytes or mmap) of each container extent a read is served from.
+        # Told (cache key, stream offset, bytes or mmap) of each container extent a read is served from:
+        # the C fast path answers later reads inside it while the cache holds it.
         self.on_extent: Callable[[Hashable, int, object], object] | None = None
         forksafe.register(self)
 

@@ -52,9 +52,8 @@ static const Py_ssize_t col_itemsize[NCOLS] = {1, 2, 8, 8, 2, 1, 8, 8, 4, 4, 1, 
 static const int col_writable[NCOLS] = {0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1};
 
 typedef struct {
-    int64_t start, len;
-    const char *buf;
-    Py_buffer view;
+    int64_t start;
+    Py_buffer view; /* its buf and len are the extent's bytes */
 } HotExtent;
 
 typedef struct {
@@ -247,8 +246,8 @@ read_hot(FastPath *t, Py_ssize_t e, char *buf, size_t size, off_t off, uint64_t 
     int hit = 0;
     pthread_rwlock_rdlock(&t->hot_lock);
     Py_ssize_t i = hot_find(t, at);
-    if (i >= 0 && at + (int64_t)n <= t->hot[i].start + t->hot[i].len) {
-        memcpy(buf, t->hot[i].buf + (at - t->hot[i].start), n);
+    if (i >= 0 && at + (int64_t)n <= t->hot[i].start + (int64_t)t->hot[i].view.len) {
+        memcpy(buf, (const char *)t->hot[i].view.buf + (at - t->hot[i].start), n);
         hit = 1;
     }
     pthread_rwlock_unlock(&t->hot_lock);
@@ -482,8 +481,6 @@ FastPath_add_hot(FastPath *self, PyObject *args)
     HotExtent e = {.start = start};
     if (PyObject_GetBuffer(data, &e.view, PyBUF_SIMPLE) < 0)
         return NULL;
-    e.buf = e.view.buf;
-    e.len = e.view.len;
     Py_buffer old;
     int replaced = 0;
     hot_lock_exclusive(self);

@@ -9,8 +9,8 @@ page) before answering: 4–5 ms. Two things cut that down:
   archive's index, so a member can be checked on its own. Its first read
   decodes the frame only up to the member's end (half a frame on average),
   checks the member's CRC and answers; a background thread (the other core)
-  finishes the frame, lets zstd verify the frame checksum and puts the frame in
-  the cache. Members of foreign archives carry no CRC: they still wait for the
+  finishes the frame, checks the frame checksum and puts the frame in the
+  cache. Members of foreign archives carry no CRC: they still wait for the
   whole frame and its checksum, so no unverified byte is ever served.
 * **No second buffer.** With the C decoder (``cdmlfs._zstdframe``, libzstd's
   stable-output mode) the frame buffer is the decoder's window: no

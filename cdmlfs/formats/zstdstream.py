@@ -232,6 +232,11 @@ class ZstdStream:
         self.restarts = 0  # forward decoders started at a frame's beginning
         self.prefetched = 0  # extents decoded ahead of the reader
 
+    def _in_this_process(self) -> None:
+        """Start afresh if this is a forked child (see ``_reset_process_state``)."""
+        if self._pid != os.getpid():
+            self._reset_process_state()
+
     def _reset_process_state(self) -> None:
         """Locks, decoders and the prefetch thread belong to one process (a fork starts afresh)."""
         self._pid = os.getpid()
@@ -326,8 +331,7 @@ class ZstdStream:
         nxt = self._next_key(key)
         if nxt is None or self._cache.peek(nxt) is not None:  # type: ignore[union-attr]
             return
-        if self._pid != os.getpid():
-            self._reset_process_state()
+        self._in_this_process()
         if self._worker is None:
             self._worker = threading.Thread(target=self._prefetch_loop, name="cdmlfs-prefetch", daemon=True)
             self._worker.start()
@@ -378,8 +382,7 @@ class ZstdStream:
                 self.prefetched += 1
 
     def decode(self, key: Hashable) -> bytes:
-        if self._pid != os.getpid():
-            self._reset_process_state()
+        self._in_this_process()
         if key[0] == "zf":  # type: ignore[index]
             return self._decode_frame(key[1])  # type: ignore[index]
         _, i, k, piece = key  # type: ignore[misc]
@@ -461,8 +464,7 @@ class ZstdStream:
 
     def warm_up(self) -> None:
         """Have the frame worker's spare buffers faulted in before the first reads need them."""
-        if self._pid != os.getpid():
-            self._reset_process_state()
+        self._in_this_process()
         if self._frames is not None:
             self._frames.prefill()
 
@@ -474,8 +476,7 @@ class ZstdStream:
         None when that does not apply (frame cached, member across frames,
         no frame worker, too many frames in flight): use the extents.
         """
-        if self._pid != os.getpid():
-            self._reset_process_state()
+        self._in_this_process()
         frames = self._frames
         if frames is None:
             return None

@@ -368,9 +368,9 @@ class BlockLayer:
                 self.stats.prefetch_cancelled += 1
                 self._remove(span)
                 return
-        buffers = self._buffers
-        recv = buffers is not None and n == buffers.size  # a full part: receive into a reusable buffer
-        spare = buffers.take() if recv and buffers is not None else None
+        # A full part is received into a reusable buffer; other sizes into what the fetch allocates.
+        buffers = self._buffers if self._buffers is not None and n == self._buffers.size else None
+        spare = buffers.take() if buffers is not None else None
         buf, room = spare if spare is not None else (None, cache.hold(n))
         assert room is not None  # hold() waits for room
         try:
@@ -379,7 +379,7 @@ class BlockLayer:
                     return
                 span.state = FETCHING
             try:
-                if recv:
+                if buffers is not None:
                     if buf is None:
                         buf = bytearray(n)
                     else:

@@ -54,8 +54,7 @@ class BufferPool:
         self._spares: list[tuple[bytearray, Reservation]] = []
         self._lock = threading.Lock()
         self._closed = False
-        self.reused = 0  # buffers handed out again (for stats and tests)
-        self.recycled = 0
+        self.recycled = 0  # buffers kept for reuse (for tests; reuse is counted by the block layer)
         forksafe.register(self)
 
     @property
@@ -65,10 +64,7 @@ class BufferPool:
     def take(self) -> tuple[bytearray, Reservation] | None:
         """A spare and the reservation that covers it (commit or release it), or None."""
         with self._lock:
-            if not self._spares:
-                return None
-            self.reused += 1
-            return self._spares.pop()
+            return self._spares.pop() if self._spares else None
 
     def recycle(self, dropped: list) -> None:
         """Keep buffers from ``dropped`` (emptied) that are unshared, of our size, while there is room."""
