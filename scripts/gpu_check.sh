@@ -9,7 +9,7 @@
 #
 # What it assumes:
 #   - a checkout of this repository (the script finds its root itself), Linux, an NVIDIA GPU and driver;
-#   - a Python >= 3.10: $PYTHON (default python3). A venv is made at $VENV (default
+#   - a Python >= 3.10: $PYTHON (default python3); if it runs inside a venv, that venv is used. Else a venv is made at $VENV (default
 #     ${TMPDIR:-/tmp}/cdmlfs-gpu-venv; an existing one, the checkout's .venv say, is used as it is) with
 #     --system-site-packages, so a CUDA build of torch/torchvision already installed for that Python is
 #     reused as it is (the version is printed; 2.14.1 / 0.29.1 is what the project pins);
@@ -27,6 +27,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PYTHON=${PYTHON:-python3}
+# A Python that runs inside a venv already (GPU images ship torch that way) is used with its own venv:
+# a venv made from it with --system-site-packages would see the base interpreter's packages, not torch.
+if [ -z "${VENV:-}" ] && "$PYTHON" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)' 2>/dev/null; then
+  VENV=$("$PYTHON" -c 'import sys; print(sys.prefix)')
+fi
 VENV=${VENV:-${TMPDIR:-/tmp}/cdmlfs-gpu-venv}
 IMAGES=${IMAGES:-10000}
 STEPS=${STEPS:-100}
