@@ -268,6 +268,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print(f"FUSE hot path: {'C' if fast else 'Python'} ({why})")
     polling, why = fuseloop.availability(fuse_major)
     print(f"FUSE loop: {'cdmlfs polling loop' if polling else 'libfuse'} ({why})")
+    print(f"CPU idle: {fuseloop.cpu_idle()}")
     print(f"/dev/fuse: {'present' if os.path.exists('/dev/fuse') else 'missing'}")
     for tool in ("fusermount3", "fusermount"):
         print(f"{tool}: {shutil.which(tool) or 'not found'}")

@@ -86,3 +86,44 @@ def test_signals_end_the_polling_loop_and_unmount(sig: int, tmp_path: Path, mnt:
         else:
             pytest.fail("the daemon did not exit on the signal")
         assert not is_mounted(mnt)
+
+
+def _sysfs(root: Path, driver: str | None, poll_ns: str | None) -> str:
+    if driver is not None:
+        d = root / "devices/system/cpu/cpuidle"
+        d.mkdir(parents=True)
+        (d / "current_driver").write_text(driver + "\n")
+    if poll_ns is not None:
+        p = root / "module/haltpoll/parameters"
+        p.mkdir(parents=True)
+        (p / "guest_halt_poll_ns").write_text(poll_ns + "\n")
+    return str(root)
+
+
+@pytest.mark.parametrize(
+    ("driver", "poll_ns", "expect"),
+    [
+        ("haltpoll", "0", "guest_halt_poll_ns=0: idle vCPUs halt at once"),
+        ("haltpoll", "200000", "haltpoll, polls 200000 ns before halting"),
+        ("haltpoll", None, "haltpoll"),
+        ("intel_idle", None, "intel_idle"),
+        (None, None, "unknown (no cpuidle driver in sysfs)"),
+    ],
+)
+def test_cpu_idle_line_reads_the_cpuidle_driver_and_halt_polling(
+    tmp_path: Path, driver: str | None, poll_ns: str | None, expect: str
+) -> None:
+    from cdmlfs import fuseloop
+
+    line = fuseloop.cpu_idle(_sysfs(tmp_path, driver, poll_ns))
+    if poll_ns == "0":  # the costly setting: say so, and what to do about it
+        assert expect in line and "echo 200000 >" in line
+    else:
+        assert line == expect
+
+
+def test_doctor_reports_how_idle_cpus_wait() -> None:
+    from cdmlfs import fuseloop
+
+    out = run_cli("doctor", check=True).stdout.decode()
+    assert f"CPU idle: {fuseloop.cpu_idle()}\n" in out
