@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import stat
@@ -101,6 +102,11 @@ def mounted(
                 time.sleep(0.02)
             else:
                 _kill(pid)
+
+
+def mount_stats(mountpoint: Path) -> dict:
+    """``cdmlfs stats --json`` of a live mount."""
+    return json.loads(run_cli("stats", "--json", str(mountpoint), check=True).stdout)
 
 
 def daemon_pid(mountpoint: Path) -> int | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -12,7 +11,7 @@ import psutil
 import pytest
 from archives import python_zip, sample_files
 from inflateutil import native_module
-from mountutil import daemon_pid, is_mounted, mounted, run_cli
+from mountutil import daemon_pid, is_mounted, mount_stats, mounted, run_cli
 
 pytestmark = pytest.mark.fuse
 
@@ -33,7 +32,7 @@ def test_polling_loop_serves_and_counts_requests_that_found_it_polling(tmp_path:
     archive = python_zip(tmp_path / "many.zip", files)
     with mounted(archive, mnt, "--poll-us", "200"):
         _read_all(mnt, files)
-        loop = json.loads(run_cli("stats", "--json", str(mnt), check=True).stdout)["loop"]
+        loop = mount_stats(mnt)["loop"]
         assert loop is not None and loop["spin_us"] == 200
         assert loop["requests"] >= 2 * len(files)  # a lookup and a read per file, at least
         # Back-to-back small reads: most requests arrive while the loop is still polling.
@@ -64,7 +63,7 @@ def test_zero_poll_time_keeps_libfuse_loop_and_bad_values_are_refused(tmp_path: 
     archive = python_zip(tmp_path / "s.zip", files)
     with mounted(archive, mnt, "--poll-us", "0"):
         _read_all(mnt, {k: v for k, v in files.items() if not k.endswith("/")})
-        assert json.loads(run_cli("stats", "--json", str(mnt), check=True).stdout)["loop"] is None
+        assert mount_stats(mnt)["loop"] is None
     res = run_cli("mount", str(archive), str(mnt), "--poll-us", "-5")
     assert res.returncode == 2 and b"invalid poll time" in res.stderr
     assert not is_mounted(mnt)

@@ -9,7 +9,6 @@ byte (tests/fuzz/craft.py), so each lies exactly where the test says.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import struct
 import subprocess
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from fuzz import craft
-from mountutil import daemon_pid, hwm_kib, is_mounted, mounted, rss_kib, run_cli
+from mountutil import daemon_pid, hwm_kib, is_mounted, mount_stats, mounted, rss_kib, run_cli
 from test_hostile import FILE_ABC, _base256, _pax, _tar_block, zeros_member
 
 from cdmlfs.formats import tarheader as th
@@ -82,7 +81,7 @@ def test_ten_gib_zip_bomb_is_served_within_the_cache_bound(tmp_path: Path, mnt: 
         later = (time.monotonic() - started) / 3
         assert read_bounded(mnt / "ok") == b"fine"
         growth = _growth_mib(pid, base)
-        stats = json.loads(run_cli("stats", "--json", str(mnt), check=True).stdout)
+        stats = mount_stats(mnt)
     print(f"10 GiB bomb: first read {first:.1f}s, later reads {later * 1000:.0f} ms, VmHWM +{growth:.0f} MiB")
     assert growth < 64 + 48, f"daemon grew {growth:.0f} MiB with a 64 MiB cache"
     assert later < max(1.0, first / 4), "the checkpoint index was rebuilt for a later read"
@@ -244,7 +243,7 @@ def test_a_million_tiny_entries(tmp_path: Path, mnt: Path) -> None:
         mount_s = time.monotonic() - started
         pid = daemon_pid(mnt)
         rss = rss_kib(pid) / 1024
-        stats = json.loads(run_cli("stats", "--json", str(mnt), check=True).stdout)
+        stats = mount_stats(mnt)
         top = os.listdir(mnt)
         assert len(top) == 1000
         assert len(os.listdir(mnt / "d0417")) == 1000

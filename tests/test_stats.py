@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from archives import flip_byte_in_member, python_zip, sample_files, text_bytes
-from mountutil import mounted, run_cli
+from mountutil import mount_stats, mounted, run_cli
 
 pytestmark = pytest.mark.fuse
 
@@ -28,8 +27,7 @@ def test_stats_count_what_was_served(fastpath: str, tmp_path: Path, mnt: Path, m
                 continue
             assert (mnt / name).read_bytes() == data
             total += len(data)
-        res = run_cli("stats", "--json", str(mnt), check=True)
-        stats = json.loads(res.stdout)
+        stats = mount_stats(mnt)
         assert stats["format"] == "zip"
         assert stats["entries"] == len(files) + 4  # plus data, data/nested, data/nested/deep, ünïcødé
         assert stats["bytes"]["served"] >= total

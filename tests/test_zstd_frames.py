@@ -9,7 +9,6 @@ python-zstandard), the real cache and a real FUSE mount.
 from __future__ import annotations
 
 import errno
-import json
 import mmap
 import os
 import random
@@ -23,7 +22,7 @@ from pathlib import Path
 import pytest
 import zstandard
 from inflateutil import english_like, native_module
-from mountutil import daemon_pid, is_mounted, mounted, run_cli
+from mountutil import daemon_pid, is_mounted, mount_stats, mounted, run_cli
 from test_tar_support import cdmlfs_pack
 
 from cdmlfs.archive import Archive
@@ -299,7 +298,7 @@ def test_mount_serves_early_members_and_stats_show_it(
         paths = _source_paths(src)
         random.Random(2).shuffle(paths)
         _read_all_through(mnt, src, paths)
-        stats = json.loads(run_cli("stats", "--json", str(mnt), check=True).stdout)
+        stats = mount_stats(mnt)
         decoder = stats["decoder"]
         assert decoder["early_frames"] >= 1  # first reads of frames answered before the frame was done
         assert decoder["spares_used"] >= 1  # the daemon warmed spare buffers up after mounting
@@ -400,7 +399,7 @@ def test_mount_serves_reads_across_many_frames_in_c(
     with mounted(packed, mnt, "--index-dir", str(tmp_path / "idx")):
         paths = _source_paths(src)
         _read_all_through(mnt, src, paths)
-        stats = json.loads(run_cli("stats", "--json", str(mnt), check=True).stdout)
+        stats = mount_stats(mnt)
         fast = stats["fast_path"]
         if fast is None:
             pytest.skip("C fast path not active")
