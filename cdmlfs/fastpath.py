@@ -93,6 +93,8 @@ class HotExtents:
 
     def add(self, key: Hashable, start: int, data: object) -> None:
         """The reader served from ``data`` (the cache's value under ``key``) at stream offset ``start``."""
+        if key in self._starts:  # already served in C: no need to take the cache lock to say so again
+            return
 
         def register() -> None:
             if key not in self._starts:
