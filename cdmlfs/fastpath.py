@@ -19,7 +19,7 @@ from collections.abc import Hashable, Iterator
 from cdmlfs import extensions
 from cdmlfs.archive import Archive
 from cdmlfs.cache import ExtentCache
-from cdmlfs.index import DIR
+from cdmlfs.index import DIR, INCONSISTENT
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,9 @@ def build_table(archive: Archive):
     nlink = array("I", bytes(4 * n))
     fast = bytearray(n)
     hardlinked = set(ix.hardlink_of) | set(ix.nlink_extra)
+    flags = ix.flags
     for eid in ix._lookup.values():
-        if eid in hardlinked:
+        if eid in hardlinked or flags[eid] & INCONSISTENT:  # Python answers these (EIO, logged)
             continue
         fast[eid] = 1
         if ix.kind[eid] == DIR:

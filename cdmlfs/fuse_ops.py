@@ -33,7 +33,7 @@ from types import SimpleNamespace
 from cdmlfs import fuseloop
 from cdmlfs.archive import Archive
 from cdmlfs.errors import CdmlfsError, MemberError
-from cdmlfs.index import DIR, SYMLINK
+from cdmlfs.index import DIR, INCONSISTENT, SYMLINK
 
 log = logging.getLogger(__name__)
 
@@ -344,6 +344,11 @@ def make_fuse_class(mfusepy):
             else:
                 eid = ops._eid(path.decode("utf-8", "surrogateescape"))
             ops.stats.requests["getattr"] += 1
+            if ops.index.flags[eid] & INCONSISTENT:
+                try:
+                    ops.reader.check_consistent(eid)
+                except CdmlfsError as exc:
+                    raise ops._fail(exc, f"stat {ops.index.paths[eid]!r}", eid) from None
             ops.fill_stat(eid, buf.contents)
             return 0
 
@@ -369,11 +374,14 @@ def make_fuse_class(mfusepy):
                 if (filler(buf, name, st, 0, 0) if fuse3 else filler(buf, name, st, 0)) != 0:
                     return 0
             paths = ix.paths
+            flags_of = ix.flags
             for child in ix.children(eid):
                 memset(ctypes.byref(st), 0, stat_size)
                 ops.fill_stat(child, st)
                 name = paths[child].rpartition("/")[2].encode("utf-8", "surrogateescape")
-                rc = filler(buf, name, st, 0, fill_flags) if fuse3 else filler(buf, name, st, 0)
+                # No attributes for an entry that fails its stat: the kernel then asks (and gets EIO).
+                child_flags = 0 if flags_of[child] & INCONSISTENT else fill_flags
+                rc = filler(buf, name, st, 0, child_flags) if fuse3 else filler(buf, name, st, 0)
                 if rc != 0:
                     break
             return 0

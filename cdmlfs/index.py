@@ -40,6 +40,9 @@ IN_STREAM = 0xFF00  # bytes at `offset` of the archive's decoded container strea
 ENCRYPTED = 1
 NEEDS_LOCAL_HEADER = 2  # ZIP: `offset` is the local header; the data offset is resolved on first read
 MEMBER_CRC = 4  # IN_STREAM: `crc` is the member's CRC-32 (written by cdmlfs pack), checkable on its own
+# ZIP: an empty member whose record contradicts it (a CRC other than 0, stored data): EIO on stat and
+# read, since the kernel never asks to read a file of size 0, so a later check could not catch it.
+INCONSISTENT = 8
 
 DEFAULT_FILE_MODE = 0o644
 DEFAULT_DIR_MODE = 0o755

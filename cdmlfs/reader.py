@@ -12,7 +12,9 @@ How each kind of member is served:
   a read at any offset inflates at most one interval; intervals and the
   checkpoint windows are cache entries, so they count against the bound.
 * **bzip2 / LZMA / zstd / xz** — bounded streaming decoders; whole when small,
-  forward chunks when large (a backward read restarts from the member's start).
+  forward chunks when large (a backward read restarts from the member's start;
+  the first read decodes the whole member once to check its CRC, and a
+  decoder that reaches the end is freed at once: its window is not cache).
 * **in-stream** (tar, tar.zst) — the format's container stream splits a byte
   range into extents (zstd frames) that are decoded and cached one by one.
   A member with its own CRC (written by ``cdmlfs pack``) is served as soon as
@@ -39,7 +41,7 @@ from cdmlfs.errors import (
     MemberError,
     UnsupportedMethodError,
 )
-from cdmlfs.index import DEFLATE, ENCRYPTED, IN_STREAM, MEMBER_CRC, STORED, Index
+from cdmlfs.index import DEFLATE, ENCRYPTED, IN_STREAM, INCONSISTENT, MEMBER_CRC, STORED, Index
 from cdmlfs.sources.base import Source
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,9 @@ log = logging.getLogger(__name__)
 WHOLE_MEMBER_MAX = 64 << 20
 EXTENT_SIZE = 4 << 20
 MAX_SYMLINK = 4096
+MAX_FORWARD = 4  # forward decoders kept between reads (each may hold a window up to the member's size)
+# States of a member in the reader's ``_verified`` column (shared with the C fast path).
+UNCHECKED, VERIFIED, CORRUPT = 0, 1, 2
 ENCRYPTED_REASON = "member is encrypted (reading encrypted members is not supported)"
 
 
@@ -73,14 +78,24 @@ class ArchiveFormat(Protocol):
 
 
 class _Forward:
-    """A forward-only decoder positioned at ``pos`` of a member's output."""
+    """A forward-only decoder positioned at ``pos`` of a member's output (``crc``: of bytes before it)."""
 
-    __slots__ = ("lock", "pos", "stream")
+    __slots__ = ("crc", "lock", "pos", "stream")
 
     def __init__(self, stream) -> None:
         self.stream = stream
         self.pos = 0
+        self.crc = 0
         self.lock = threading.Lock()
+
+    def close(self) -> None:
+        """Free the decoder (its window can be as large as the member, outside the cache)."""
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            try:
+                stream.close()
+            except Exception as exc:  # a decoder that fails to close has nothing left to give back
+                log.debug("closing a forward decoder: %s", exc)
 
 
 class ExtentReader:
@@ -94,7 +109,10 @@ class ExtentReader:
         self._fd = fmt.source.fileno()
         self.whole_limit = min(WHOLE_MEMBER_MAX, cache.limit // 4)
         self.extent_size = max(64 << 10, min(EXTENT_SIZE, cache.limit // 4))
-        self._verified = bytearray(self.index.entry_count)  # stored members whose CRC was checked
+        # Per member: UNCHECKED, VERIFIED (its CRC checked) or CORRUPT (a check failed: every later read
+        # fails too, whatever path or offset it takes, so no page of it is ever served unverified again).
+        self._verified = bytearray(self.index.entry_count)
+        self._corrupt: dict[int, str] = {}  # why a CORRUPT member failed
         self._stored_crc: dict[int, tuple[int, int]] = {}  # large stored: (next offset, running crc)
         self._forward: dict[int, _Forward] = {}
         self._build_locks: dict[int, threading.Lock] = {}
@@ -145,7 +163,10 @@ class ExtentReader:
         if out.format != "B":
             out = out.cast("B")  # ctypes buffers come as '<c'
         total = ix.size[eid]
-        if ix.method[eid] == STORED and (self._verified[eid] or total > self.whole_limit):
+        if ix.flags[eid] & INCONSISTENT:
+            self.check_consistent(eid)
+        state = self._verified[eid]
+        if ix.method[eid] == STORED and state != CORRUPT and (state == VERIFIED or total > self.whole_limit):
             if offset >= total or size <= 0:
                 return 0
             n = min(size, total - offset)
@@ -153,7 +174,7 @@ class ExtentReader:
                 if ix.flags[eid] & ENCRYPTED:
                     raise EncryptedMemberError(ENCRYPTED_REASON)
                 self._stored_into(eid, self.fmt.data_offset(eid) + offset, out[:n])
-                if not self._verified[eid]:
+                if state != VERIFIED:
                     self._track_stored_crc(eid, offset, out[:n], total)
             except MemberError as exc:
                 if exc.member is None:
@@ -194,8 +215,8 @@ class ExtentReader:
                 return
             self._stored_crc.pop(eid, None)
         if running != crc:
-            raise CorruptMemberError(f"CRC mismatch (expected {crc:#010x}, got {running:#010x})")
-        self._verified[eid] = 1
+            self._mark_corrupt(eid, f"CRC mismatch (expected {crc:#010x}, got {running:#010x})")
+        self._verified[eid] = VERIFIED
 
     def view(self, eid: int, offset: int, size: int) -> bytes | memoryview:
         """Bytes or a memoryview into a cached extent (no copy); the caller must not keep it long."""
@@ -203,12 +224,16 @@ class ExtentReader:
         if ix.hardlink_of:
             eid = ix.hardlink_of.get(eid, eid)
         total = ix.size[eid]
+        if ix.flags[eid] & INCONSISTENT:
+            self.check_consistent(eid)
         if offset >= total or size <= 0:
             return b""
         if offset + size > total:
             size = total - offset
         method = ix.method[eid]
         try:
+            if self._verified[eid] == CORRUPT:
+                raise CorruptMemberError(self._corrupt.get(eid, "failed an integrity check earlier"))
             if ix.flags[eid] & ENCRYPTED:
                 raise EncryptedMemberError(ENCRYPTED_REASON)
             if method == STORED:
@@ -247,21 +272,40 @@ class ExtentReader:
         target = bytes(self.view(eid, 0, size)).decode("utf-8", "surrogateescape")
         return target
 
+    def check_consistent(self, eid: int) -> None:
+        """Raise CorruptMemberError for an entry whose own record is contradictory (see INCONSISTENT)."""
+        ix = self.index
+        if ix.flags[eid] & INCONSISTENT:
+            raise CorruptMemberError(
+                f"declared empty, but its record says otherwise (CRC {ix.crc[eid]:#010x}, "
+                f"{ix.comp_size[eid]} compressed bytes)",
+                ix.paths[eid],
+            )
+
+    def _mark_corrupt(self, eid: int, reason: str) -> None:
+        """Remember that member ``eid`` failed a check, and raise: later reads fail the same way."""
+        self._corrupt[eid] = reason
+        self._verified[eid] = CORRUPT
+        raise CorruptMemberError(reason)
+
     # -- stored --------------------------------------------------------------
     def _read_stored(self, eid: int, offset: int, size: int, total: int) -> bytes:
         start = self.fmt.data_offset(eid)
-        if self._verified[eid]:
+        if self._verified[eid] == VERIFIED:
             return self.source.read_at(start + offset, size)
         crc = self.index.crc[eid]
         if total <= self.whole_limit:
             with self.cache.reserve(total):
-                if self._fd is not None:
-                    data = inflate.read_stored(self._fd, start, total, crc)
-                    self.bytes_direct += total
-                else:
-                    data = self.source.read_at(start, total)
-                    _check_crc(data, crc)
-                self._verified[eid] = 1
+                try:
+                    if self._fd is not None:
+                        data = inflate.read_stored(self._fd, start, total, crc)
+                        self.bytes_direct += total
+                    else:
+                        data = self.source.read_at(start, total)
+                        _check_crc(data, crc)
+                except CorruptMemberError as exc:
+                    self._mark_corrupt(eid, str(exc))
+                self._verified[eid] = VERIFIED
                 return _view(data, offset, offset + size)
         # Large stored member: serve directly, verify the CRC as a sequential reader reaches the end.
         data = self.source.read_at(start + offset, size)
@@ -382,8 +426,16 @@ class ExtentReader:
         return _view(data, offset, offset + size)
 
     def _read_forward(self, eid: int, offset: int, size: int, total: int) -> bytes:
-        """Large non-deflate members: decode forward in extents; a backward read restarts."""
+        """Large non-deflate members: decode forward in extents; a backward read restarts.
+
+        The first read decodes the whole member once and checks its CRC before
+        serving anything (as the deflate checkpoint build does): a forward
+        decoder has no other way to know that the bytes it hands out are right.
+        The extents that pass keep in the cache as far as it holds them.
+        """
         spacing = self.extent_size
+        if self._verified[eid] != VERIFIED:
+            self._forward_extent(eid, (total - 1) // spacing, total)
         return self._gather(eid, offset, size, spacing, lambda k: self._forward_extent(eid, k, total))
 
     def _forward_extent(self, eid: int, k: int, total: int) -> bytes:
@@ -392,29 +444,54 @@ class ExtentReader:
         with self._lock:
             fw = self._forward.get(eid)
             if fw is None:
-                if len(self._forward) >= 4:  # decoder states hold windows: keep only a few
-                    self._forward.pop(next(iter(self._forward)))
+                if len(self._forward) >= MAX_FORWARD:  # decoder states hold windows: keep only a few
+                    self._forward.pop(next(iter(self._forward))).close()
                 fw = self._forward[eid] = _Forward(None)
         with fw.lock:
             chunk = self.cache.peek((eid, k))
             if chunk is not None:
                 return chunk
             if fw.stream is None or fw.pos > k * spacing:
+                fw.close()
                 fw.stream = decoders.open_stream(
                     self.source, ix.method[eid], self.fmt.data_offset(eid), ix.comp_size[eid], total
                 )
                 fw.pos = 0
-            while True:
-                j = fw.pos // spacing
-                length = min(spacing, total - fw.pos)
-                with self.cache.reserve(length) as room:
-                    chunk = decoders.read_exact(fw.stream, length)
-                    fw.pos += length
-                    if fw.pos == total and not decoders.at_end(fw.stream):
-                        raise CorruptMemberError("member decodes to more bytes than declared")
-                    room.commit((eid, j), chunk)
-                if j == k:
-                    return chunk
+                fw.crc = 0
+            try:
+                while True:
+                    j = fw.pos // spacing
+                    length = min(spacing, total - fw.pos)
+                    with self.cache.reserve(length) as room:
+                        chunk = decoders.read_exact(fw.stream, length)
+                        fw.crc = inflate.crc32(chunk, fw.crc)
+                        fw.pos += length
+                        if fw.pos == total:
+                            self._finish_forward(eid, fw)
+                        room.commit((eid, j), chunk)
+                    if j == k:
+                        return chunk
+            except BaseException:
+                fw.close()  # a failed decoder cannot go on from where it stopped
+                raise
+            finally:
+                if fw.stream is None:
+                    with self._lock:
+                        if self._forward.get(eid) is fw:
+                            del self._forward[eid]
+                    if self.cache.trim_hook is not None:
+                        self.cache.trim_hook()  # the window was heap memory: give it back now
+
+    def _finish_forward(self, eid: int, fw: _Forward) -> None:
+        """A forward decoder reached the member's end: check it, then let its window go."""
+        longer = not decoders.at_end(fw.stream)
+        fw.close()
+        if longer:
+            self._mark_corrupt(eid, "member decodes to more bytes than declared")
+        crc = self.index.crc[eid]
+        if fw.crc != crc:
+            self._mark_corrupt(eid, f"CRC mismatch (expected {crc:#010x}, got {fw.crc:#010x})")
+        self._verified[eid] = VERIFIED
 
     # -- containers ----------------------------------------------------------
     def _read_checked_member(self, eid: int, offset: int, size: int, total: int) -> memoryview | None:
@@ -422,9 +499,12 @@ class ExtentReader:
         whole = self._member_bytes(self.index.offset[eid], total)  # type: ignore[misc]
         if whole is None:
             return None
-        if not self._verified[eid]:
-            _check_crc(whole, self.index.crc[eid])
-            self._verified[eid] = 1
+        if self._verified[eid] != VERIFIED:
+            try:
+                _check_crc(whole, self.index.crc[eid])
+            except CorruptMemberError as exc:
+                self._mark_corrupt(eid, str(exc))
+            self._verified[eid] = VERIFIED
         return whole[offset : offset + size]
 
     def _read_in_stream(self, offset: int, size: int) -> bytes:

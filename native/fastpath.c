@@ -40,6 +40,8 @@
 enum { K_FILE = 0, K_DIR = 1, K_SYMLINK = 2 };
 enum { M_STORED = 0, M_DEFLATE = 8, M_IN_STREAM = 0xFF00 };
 enum { F_ENCRYPTED = 1, F_NEEDS_LOCAL_HEADER = 2 };
+/* Mirrors cdmlfs.reader: states of the shared "verified" column. */
+enum { V_UNCHECKED = 0, V_VERIFIED = 1, V_CORRUPT = 2 };
 
 typedef int (*getattr_fn)(const char *, struct stat *, void *);
 typedef int (*read_fn)(const char *, char *, size_t, off_t, void *);
@@ -286,7 +288,9 @@ fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
     if (method == M_STORED) {
         size_t n = (size_t)((uint64_t)off + size > total ? total - (uint64_t)off : size);
         uint64_t from_source = n;
-        if (verified[e]) {
+        if (verified[e] == V_CORRUPT) {
+            goto slow; /* Python answers EIO and names the member */
+        } else if (verified[e] == V_VERIFIED) {
             if (pread_full(t->fd, buf, n, data_at + off) != 0)
                 goto slow;
         } else {
@@ -295,7 +299,7 @@ fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
                 goto slow;
             if (pread_full(t->fd, buf, total, data_at) != 0 || libdeflate_crc32(0, buf, total) != crc)
                 goto slow; /* Python re-reads, reports and logs */
-            verified[e] = 1;
+            verified[e] = V_VERIFIED;
             from_source = total;
         }
         atomic_fetch_add_explicit(&t->read_fast, 1, memory_order_relaxed);
@@ -315,9 +319,12 @@ fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
     char *in = comp <= sizeof stackbuf ? stackbuf : malloc(comp ? comp : 1);
     if (!in)
         goto slow;
+    /* The stream must end exactly at the member's compressed size, as the Python path requires:
+     * anything else (trailing bytes, an empty member stored as zero deflate bytes) goes there. */
+    size_t used = 0;
     int ok = pread_full(t->fd, in, comp, data_at) == 0 &&
-             libdeflate_deflate_decompress(d, in, comp, buf, total, NULL) == LIBDEFLATE_SUCCESS &&
-             libdeflate_crc32(0, buf, total) == crc;
+             libdeflate_deflate_decompress_ex(d, in, comp, buf, total, &used, NULL) == LIBDEFLATE_SUCCESS &&
+             used == comp && libdeflate_crc32(0, buf, total) == crc;
     if (in != stackbuf)
         free(in);
     if (!ok)

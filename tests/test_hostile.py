@@ -11,6 +11,7 @@ tests/test_hostile_mount.py.
 from __future__ import annotations
 
 import lzma
+import random
 import resource
 import struct
 import zlib
@@ -374,3 +375,57 @@ def test_nested_zip_bombs_are_just_bytes() -> None:
         with _open(ar.read("middle.zip")) as mid:
             assert mid.read("inner3.zip") == inner
         assert ar.read("ok") == b"fine"
+
+
+def _zstd_member(name: str, content: bytes, flip_at: int | None = None) -> craft.ZipMember:
+    """ZIP method 93 (zstd), no frame checksum: only the member's CRC can catch a flipped byte."""
+    m = craft.member(name, content, method=0)
+    frame = bytearray(craft.zstd_frame(content, checksum=False))
+    if flip_at is not None:
+        frame[flip_at] ^= 0x5A
+    m.data, m.method = bytes(frame), 93
+    return m
+
+
+def test_large_zstd_member_is_crc_checked_before_any_byte_is_served(tmp_path: Path) -> None:
+    """Larger than a whole-member read (cache 16 MiB: 4 MiB): the forward decoder's first pass checks
+    the CRC; random data makes raw zstd blocks, where a flipped byte decodes without complaint."""
+    content = random.Random(5).randbytes(6 << 20)
+    bad = _zstd_member("bad.bin", content, flip_at=3 << 20)
+    good = _zstd_member("good.bin", content)
+    with _open(craft.build_zip([bad, good]), tmp_path, cache=16 << 20) as ar:
+        for _ in range(2):  # and it stays an error
+            with pytest.raises(MemberError, match="CRC mismatch"):
+                ar.read("bad.bin", 0, 4096)
+        with pytest.raises(MemberError, match="CRC mismatch"):
+            ar.read("bad.bin", 5 << 20, 4096)
+        assert ar.read("good.bin", 5 << 20, 4096) == content[5 << 20 : (5 << 20) + 4096]
+        assert ar.read("good.bin") == content
+
+
+@pytest.mark.parametrize(
+    ("label", "kw"),
+    [
+        ("deflate data, declared empty", {"method": 8, "size": 0}),
+        ("stored data, declared empty", {"method": 0, "size": 0}),
+        ("no data, CRC of something", {"method": 0, "content": b"", "crc": 0x12345678}),
+    ],
+)
+def test_empty_member_whose_record_contradicts_it_is_eio(label: str, kw: dict, tmp_path: Path) -> None:
+    """The kernel never reads a file of size 0: the contradiction is caught from the record itself."""
+    content = kw.pop("content", b"eighteen thousand " * 1000)
+    liar = craft.member("liar", content, **kw)
+    blob = craft.build_zip([liar, craft.member("empty", b""), craft.member("ok", b"fine", method=0)])
+    with _open(blob, tmp_path) as ar:
+        with pytest.raises(MemberError, match="declared empty"):
+            ar.read("liar")
+        assert ar.read("empty") == b""
+        assert ar.read("ok") == b"fine"
+
+
+def test_comment_length_past_the_end_of_the_file_still_opens(tmp_path: Path) -> None:
+    """zipfile and unzip read an archive whose comment was cut short; so do we."""
+    blob = bytearray(craft.build_zip([craft.member("a", b"alpha")], comment=b"a comment"))
+    blob[-len(b"a comment") - 2 : -len(b"a comment")] = struct.pack("<H", 500)
+    with _open(bytes(blob), tmp_path) as ar:
+        assert ar.read("a") == b"alpha"

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import struct
 import subprocess
 import sys
 import time
+import zipfile
 import zlib
 from pathlib import Path
 
 import pytest
+from archives import flip_byte_in_member
 from fuzz import craft
 from mountutil import daemon_pid, hwm_kib, is_mounted, mount_stats, mounted, rss_kib, run_cli
 from test_hostile import FILE_ABC, _base256, _pax, _tar_block, zeros_member
@@ -280,3 +283,102 @@ def _write_many_entries(path: Path, n: int) -> None:
         f.write(local)
         f.write(central)
         f.write(z64 + loc + eocd)
+
+
+def _cat(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["cat", str(path)], capture_output=True, timeout=60)
+
+
+@pytest.mark.parametrize("fastpath", ["1", "0"], ids=["c-fast-path", "python-path"])
+def test_large_stored_member_with_a_bad_crc_stays_eio(
+    fastpath: str, tmp_path: Path, mnt: Path, monkeypatch
+) -> None:
+    """Too large for a whole-member check (cache 16 MiB): the CRC fails when a sequential read reaches
+    the end. The kernel retries the failed readahead as a plain read; that, and every later read,
+    must fail too instead of serving the member's bytes unchecked."""
+    monkeypatch.setenv("CDMLFS_FASTPATH", fastpath)
+    data = os.urandom(8 << 20)
+    archive = tmp_path / "big.zip"
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("big.bin", data)
+        zf.writestr("ok.txt", b"hello")
+    flip_byte_in_member(archive, "big.bin")
+    log = tmp_path / "daemon.log"
+    with mounted(archive, mnt, "--cache-size", "16M", log_file=log):
+        for _ in range(3):
+            res = _cat(mnt / "big.bin")
+            assert res.returncode != 0 and b"Input/output error" in res.stderr
+        assert (mnt / "ok.txt").read_bytes() == b"hello"
+    assert "'big.bin' failed: CRC mismatch" in log.read_text()
+
+
+@pytest.mark.parametrize("fastpath", ["1", "0"], ids=["c-fast-path", "python-path"])
+def test_empty_members_whose_record_contradicts_them_are_eio(
+    fastpath: str, tmp_path: Path, mnt: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("CDMLFS_FASTPATH", fastpath)
+    text = b"eighteen thousand " * 1000
+    members = [
+        craft.member("deflate_declared_empty", text, size=0),
+        craft.member("stored_declared_empty", text, method=0, size=0),
+        craft.member("empty_with_a_crc", b"", method=0, crc=0x12345678),
+        craft.member("empty", b"", method=0),
+        craft.member("ok", b"fine"),
+    ]
+    archive = tmp_path / "liars.zip"
+    archive.write_bytes(craft.build_zip(members))
+    with mounted(archive, mnt):
+        assert sorted(os.listdir(mnt)) == sorted(m.name.decode() for m in members)
+        for name in ("deflate_declared_empty", "stored_declared_empty", "empty_with_a_crc"):
+            with pytest.raises(OSError) as err:
+                (mnt / name).read_bytes()
+            assert err.value.errno == errno.EIO, name
+        assert (mnt / "empty").read_bytes() == b""
+        assert (mnt / "ok").read_bytes() == b"fine"
+
+
+@pytest.mark.parametrize("fastpath", ["1", "0"], ids=["c-fast-path", "python-path"])
+def test_deflate_stream_ending_before_its_compressed_size_is_eio_on_both_paths(
+    fastpath: str, tmp_path: Path, mnt: Path, monkeypatch
+) -> None:
+    """Bytes after the end of the deflate stream: both paths refuse the member, whatever the access."""
+    monkeypatch.setenv("CDMLFS_FASTPATH", fastpath)
+    content = b"trailing " * 10000
+    padded = craft.member("padded", content)
+    padded.data += b"junk after the stream"
+    archive = tmp_path / "padded.zip"
+    archive.write_bytes(craft.build_zip([padded, craft.member("ok", b"fine")]))
+    with mounted(archive, mnt):
+        assert read_bounded(mnt / "padded", 0, 1 << 20) == errno.EIO
+        assert read_bounded(mnt / "padded", 40960, 4096) == errno.EIO
+        assert (mnt / "ok").read_bytes() == b"fine"
+
+
+def test_finished_forward_decoders_give_their_memory_back(tmp_path: Path, mnt: Path) -> None:
+    """Large zstd members (window as large as the member) read one after another: the decoder of a
+    finished member is freed, so RSS does not climb by a window per member."""
+    import zstandard
+
+    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=27)
+    comp = zstandard.ZstdCompressor(compression_params=params)
+    rng = random.Random(7)
+    block = rng.randbytes(1 << 20)
+    members = []
+    for i in range(4):
+        content = bytes(b ^ i for b in block[:64]) + block * 40  # 40 MiB, long matches: a big window
+        m = craft.member(f"m{i}.bin", content, method=0)
+        m.data, m.method = comp.compress(content), 93
+        members.append(m)
+    archive = tmp_path / "zstd.zip"
+    archive.write_bytes(craft.build_zip(members))
+    with mounted(archive, mnt, "--cache-size", "16M"):
+        pid = daemon_pid(mnt)
+        assert pid is not None
+        base = rss_kib(pid)
+        growth = []
+        for m in members:
+            res = _cat(mnt / m.name.decode())
+            assert res.returncode == 0 and zlib.crc32(res.stdout) == m.crc
+            growth.append((rss_kib(pid) - base) / 1024)
+        # Kept decoders would add ~40 MiB each (160 MiB for four); the cache is 16 MiB.
+        assert max(growth) < 16 + 40, growth

@@ -28,7 +28,9 @@ from cdmlfs.index import (
     DIR,
     ENCRYPTED,
     FILE,
+    INCONSISTENT,
     NEEDS_LOCAL_HEADER,
+    STORED,
     SYMLINK,
     Index,
     IndexBuilder,
@@ -86,16 +88,24 @@ class ZipFormat:
         tail_start = size - tail_len
         tail = self.source.read_at(tail_start, tail_len)
         pos = len(tail) - EOCD.size
+        last: tuple[int, tuple] | None = None  # the record nearest the end, whatever its comment length
         while True:
             pos = tail.rfind(b"PK\x05\x06", 0, pos + 4)
             if pos < 0:
-                raise ArchiveFormatError("not a ZIP archive (no end-of-central-directory record)")
+                break
             rec = EOCD.unpack_from(tail, pos)
             comment_len = rec[7]
             # Accept a comment that fits; tolerate junk after it (some tools append it).
             if pos + EOCD.size + comment_len <= len(tail):
                 return tail_start + pos, rec
+            if last is None:
+                last = (tail_start + pos, rec)
             pos -= 1
+        if last is None:
+            raise ArchiveFormatError("not a ZIP archive (no end-of-central-directory record)")
+        # A comment cut short (a truncated download of the comment only): zipfile and unzip read
+        # such archives; the central directory checks that follow still validate the record.
+        return last
 
     def _parse(self, progress: Callable[[int, int], None] | None) -> Index:
         source = self.source
@@ -202,6 +212,8 @@ class ZipFormat:
             eflags = NEEDS_LOCAL_HEADER
             if flags & (FLAG_ENCRYPTED | FLAG_STRONG_ENCRYPTION) or method == METHOD_AES:
                 eflags |= ENCRYPTED
+            elif usize == 0 and kind == FILE and (crc != 0 or (method == STORED and csize != 0)):
+                eflags |= INCONSISTENT  # CRC-32 of no bytes is 0; stored data has its own size
             offset = loff + prefix
             if offset >= source_size:
                 offset = -1  # outside the archive (ZIP64 allows 2**64-1): EIO when read, not a failed mount
