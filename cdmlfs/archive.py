@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import os
 import posixpath
-import shutil
 from collections.abc import Callable, Iterator
 
 from cdmlfs.cache import ExtentCache
@@ -17,6 +16,7 @@ from cdmlfs.errors import IsADirectoryError_, NotADirectoryError_, NotFoundError
 from cdmlfs.formats import open_format
 from cdmlfs.index import DIR, FILE, SYMLINK, EntryStat, Index
 from cdmlfs.reader import ExtentReader
+from cdmlfs.safe_write import check_inside, write_atomically
 from cdmlfs.sources import open_source
 from cdmlfs.sources.base import Source
 
@@ -236,35 +236,34 @@ class Archive:
         """Copy one entry (file, symlink or a whole directory) under ``dest_dir``; returns the output path."""
         eid = self._resolve(path, follow=False)
         index = self.index
+        root = os.path.realpath(dest_dir)
         out = os.path.join(dest_dir, index.paths[eid])
         if index.kind[eid] == DIR:
+            check_inside(root, os.path.join(out, "."))
             os.makedirs(out, exist_ok=True)
             for c in index.walk(eid):
-                self._extract_one(c, os.path.join(dest_dir, index.paths[c]), chunk)
+                self._extract_one(c, os.path.join(dest_dir, index.paths[c]), chunk, root)
             return out
-        self._extract_one(eid, out, chunk)
+        self._extract_one(eid, out, chunk, root)
         return out
 
-    def _extract_one(self, eid: int, out: str, chunk: int) -> None:
+    def _extract_one(self, eid: int, out: str, chunk: int, root: str) -> None:
+        """One entry; nothing is written outside ``root``, even through links already there."""
         index = self.index
         kind = index.kind[eid]
         if kind == DIR:
+            check_inside(root, os.path.join(out, "."))
             os.makedirs(out, exist_ok=True)
             return
+        check_inside(root, out)
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         if kind == SYMLINK:
             if os.path.lexists(out):
                 os.unlink(out)
             os.symlink(self.reader.readlink(eid), out)
             return
-        tmp = out + ".cdmlfs-partial"
-        with open(tmp, "wb") as f:
-            raw = MemberFile(self.reader, eid, index.paths[eid])
-            shutil.copyfileobj(raw, f, chunk)
-        os.chmod(tmp, index.mode[eid])
-        mtime = index.mtime[eid]
-        os.utime(tmp, (mtime, mtime))
-        os.replace(tmp, out)
+        raw = MemberFile(self.reader, eid, index.paths[eid])
+        write_atomically(out, raw, mode=index.mode[eid], mtime=index.mtime[eid], chunk=chunk)
 
 
 class MemberFile(io.RawIOBase):

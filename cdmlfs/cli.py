@@ -16,7 +16,7 @@ import sys
 import time
 
 from cdmlfs import __version__, fuseloop
-from cdmlfs.errors import CdmlfsError, UsageError
+from cdmlfs.errors import CdmlfsError, NotFoundError, UsageError
 
 log = logging.getLogger("cdmlfs")
 
@@ -118,15 +118,37 @@ class _progress_bar:
             self._bar.close()
 
 
+def _memory_available_to_us() -> int:
+    """Physical memory, or the cgroup (container) limit when lower; 0 when unknown."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        total = 0
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit)) if total else int(limit)
+    except OSError:
+        pass
+    return total
+
+
 # -- commands -------------------------------------------------------------------
 def cmd_mount(args: argparse.Namespace) -> int:
-    from cdmlfs.daemon import ServeOptions, log_path_for, mount_daemon, serve
+    from cdmlfs.daemon import ServeOptions, human_bytes, log_path_for, mount_daemon, serve
     from cdmlfs.mountpoints import check_mountpoint
 
     fuse_options = parse_fuse_options(args.options or [])
     nonempty = bool(fuse_options.pop("nonempty", False))
     if args.cache_size < (16 << 20):
         raise UsageError("--cache-size must be at least 16M")
+    memory = _memory_available_to_us()
+    if memory and args.cache_size > memory:
+        raise UsageError(
+            f"--cache-size {human_bytes(args.cache_size)} is more than this machine's memory "
+            f"({human_bytes(memory)}): the cache would never be bounded"
+        )
     mountpoint = check_mountpoint(args.mountpoint, allow_nonempty=nonempty)
     if not os.path.exists("/dev/fuse"):
         raise CdmlfsError(
@@ -164,7 +186,10 @@ def _format_mode(mode: int) -> str:
 def cmd_ls(args: argparse.Namespace) -> int:
     archive = _open_archive(args, cache_size=64 << 20)
     with archive:
-        st = archive.stat(args.path, follow_symlinks=True)
+        try:
+            st = archive.stat(args.path, follow_symlinks=True)
+        except NotFoundError:  # a dangling link is still there to list, as GNU ls shows it
+            st = archive.stat(args.path, follow_symlinks=False)
         if not st.is_dir:
             rows = [archive.stat(args.path, follow_symlinks=False)]
             prefix = ""
@@ -516,7 +541,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         if args.verbose:
             log.exception("failed")
-        print(f"cdmlfs: {exc.strerror or exc}{': ' + exc.filename if exc.filename else ''}", file=sys.stderr)
+        # os.replace(tmp, out) names both: the second is the one the user asked for.
+        name = exc.filename2 or exc.filename
+        print(f"cdmlfs: {exc.strerror or exc}{': ' + str(name) if name else ''}", file=sys.stderr)
         return 1
 
 

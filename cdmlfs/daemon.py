@@ -100,7 +100,7 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
             archive.location,
             opts.mountpoint,
             len(archive.index) - 1,
-            _human(archive.cache.limit),
+            human_bytes(archive.cache.limit),
             "multithreaded" if multithreaded else "single-threaded",
         )
 
@@ -161,9 +161,9 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
         # libfuse's main returns non-zero when its loop ended on SIGTERM/SIGINT/SIGHUP; after a
         # successful mount that is the normal way to stop, and libfuse has unmounted by now.
         if not mounted_once:
-            raise RuntimeError(
-                f"libfuse could not mount {opts.mountpoint} (fuse_main returned {exc})"
-            ) from None
+            # libfuse said why on stderr (the log, when daemonised): "fuse: unknown option(s)...".
+            reason = f"libfuse could not mount {opts.mountpoint} (fuse_main returned {exc})"
+            raise CdmlfsError(reason) from None
         log.info("unmounted %s (loop ended with status %s)", opts.mountpoint, exc)
     else:
         log.info("unmounted %s", opts.mountpoint)
@@ -282,10 +282,14 @@ def _last_log_line(path: str, start: int) -> str:
             lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
     except OSError:
         return ""
-    # Prefer libfuse's own complaint ("fuse: ...") or our error line.
+    # libfuse's own complaints ("fuse: unknown option(s): ...") say what to fix; our error line
+    # after them only says that libfuse failed, so it is the fallback.
+    complaints = list(dict.fromkeys(ln for ln in lines if "fuse:" in ln and "ERROR" not in ln))
+    if complaints:
+        return "; ".join(complaints)
     for ln in reversed(lines):
-        if "fuse:" in ln or "ERROR" in ln:
-            return ln.split(": ", 1)[-1] if "ERROR" in ln else ln
+        if "ERROR" in ln:
+            return ln.split(": ", 1)[-1]
     return lines[-1] if lines else ""
 
 
@@ -294,7 +298,7 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def _human(n: int) -> str:
+def human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

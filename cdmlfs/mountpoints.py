@@ -83,10 +83,17 @@ def check_mountpoint(path: str, allow_nonempty: bool = False) -> str:
 
 
 def unmount(path: str, timeout: float = 10.0) -> None:
-    """Unmount a cdmlfs (or any FUSE) mount, live or dead; lazy unmount as the last resort."""
+    """Unmount a cdmlfs (or any FUSE) mount, live or dead; lazy unmount as the last resort.
+
+    Anything else mounted there (a tmpfs, a disk, a bind mount) is refused: as
+    root, ``umount`` would take it down too.
+    """
     target = os.path.abspath(path)
-    if not is_mounted(target) and not _is_dead(target):
+    entry = mount_entry(target)
+    if entry is None and not _is_dead(target):
         raise UsageError(f"{path}: not mounted")
+    if entry is not None and not entry["fstype"].startswith("fuse"):
+        raise UsageError(f"{path}: not a FUSE mount ({entry['fstype']}); unmount it with umount yourself")
     attempts = [[tool, "-u", target] for tool in ("fusermount3", "fusermount") if shutil.which(tool)]
     if os.geteuid() == 0 and shutil.which("umount"):
         attempts.append(["umount", target])

@@ -17,7 +17,7 @@ from typing import Any
 from cdmlfs_torch import handles
 from cdmlfs_torch._compat import Dataset
 from cdmlfs_torch.loaders import default_loader
-from cdmlfs_torch.roots import ArchiveTree, Tree, resolve_root
+from cdmlfs_torch.roots import ArchiveTree, SampleNotFoundError, Tree, resolve_root
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 """The extensions torchvision's ImageFolder accepts (compared case-insensitively)."""
@@ -184,7 +184,7 @@ class ArchiveDatasetFolder(Dataset):
             try:
                 sample = self.loader(path)
             except FileNotFoundError as exc:
-                if exc.filename != path:
+                if exc.filename != path or isinstance(exc, SampleNotFoundError):
                     raise
                 raise FileNotFoundError(
                     exc.errno,

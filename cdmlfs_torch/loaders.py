@@ -11,7 +11,7 @@ import os
 from typing import Any, BinaryIO
 
 from cdmlfs_torch import handles
-from cdmlfs_torch.roots import split_sample_path
+from cdmlfs_torch.roots import sample_errors, split_sample_path
 
 
 def read_sample(path: str | os.PathLike) -> bytes:
@@ -22,7 +22,8 @@ def read_sample(path: str | os.PathLike) -> bytes:
         with open(text, "rb") as f:
             return f.read()
     location, inner = split
-    return handles.get_archive(location).read(inner)
+    with sample_errors(text):
+        return handles.get_archive(location).read(inner)
 
 
 def open_sample(path: str | os.PathLike) -> BinaryIO:
@@ -32,7 +33,8 @@ def open_sample(path: str | os.PathLike) -> BinaryIO:
     if split is None:
         return open(text, "rb")
     location, inner = split
-    return handles.get_archive(location).open(inner)
+    with sample_errors(text):
+        return handles.get_archive(location).open(inner)
 
 
 def pil_loader(path: str | os.PathLike) -> Any:

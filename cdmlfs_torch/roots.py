@@ -30,6 +30,7 @@ torchvision. Files of a local directory keep their ordinary paths.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import posixpath
@@ -37,9 +38,31 @@ import shutil
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
+from cdmlfs.errors import CdmlfsError, NotFoundError
+from cdmlfs.safe_write import check_inside, write_atomically
 from cdmlfs_torch import handles
 
 SEP = "::"
+
+
+class SampleNotFoundError(FileNotFoundError):
+    """A sample path that names nothing in its archive (torchvision gives FileNotFoundError there)."""
+
+
+@contextlib.contextmanager
+def sample_errors(path: str) -> Iterator[None]:
+    """Raise a sample's cdmlfs errors as the OSError a file on disk or on the mount would give.
+
+    Training loops skip bad samples with ``except OSError`` (or FileNotFoundError),
+    whatever the files are: a missing member is FileNotFoundError, a corrupt one
+    an OSError with EIO and the reason, the cdmlfs error kept as ``__cause__``.
+    """
+    try:
+        yield
+    except NotFoundError as exc:
+        raise SampleNotFoundError(errno.ENOENT, str(exc), path) from exc
+    except CdmlfsError as exc:
+        raise OSError(exc.errno, str(exc), path) from exc
 
 
 def is_uri(text: str) -> bool:
@@ -243,20 +266,21 @@ class ArchiveTree(Tree):
                     stack.append((child, ancestors | {ino}))
 
     def read(self, path: str) -> bytes:
-        return self.archive.read(self.inner_path(path))
+        with sample_errors(path):
+            return self.archive.read(self.inner_path(path))
 
     def open(self, path: str) -> BinaryIO:
-        return self.archive.open(self.inner_path(path))
+        with sample_errors(path):
+            return self.archive.open(self.inner_path(path))
 
     def extract(self, path: str, dest: str) -> str:
         """Copy one member to ``dest/<path relative to the root>`` (symlinks resolved to their data)."""
         rel = self.relpath(path)
         out = os.path.join(dest, *rel.split("/"))
+        check_inside(os.path.realpath(dest), out)
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        tmp = out + ".cdmlfs-partial"
-        with self.open(path) as src, open(tmp, "wb") as dst:
-            shutil.copyfileobj(src, dst, 4 << 20)
-        os.replace(tmp, out)
+        with self.open(path) as src:
+            write_atomically(out, src)
         return out
 
     def archive_positions(self, paths: list[str]) -> list[int]:

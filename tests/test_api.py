@@ -11,7 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from archives import infozip, python_zip, sample_files, text_bytes, write_tree
+from archives import flip_byte_in_member, infozip, python_zip, sample_files, text_bytes, write_tree
 from mountutil import run_cli
 
 import cdmlfs
@@ -232,3 +232,51 @@ def test_archive_is_fork_safe_and_shares_its_index(tmp_path: Path) -> None:
             for t in threads:
                 t.join()
         assert ar.position("f3.txt") < ar.position("f4.txt")
+
+
+def test_extract_never_writes_through_a_link_in_the_way(tmp_path: Path) -> None:
+    """A member (or an earlier extraction) leaves a symlink where a file, or its temporary copy, goes:
+    nothing outside -C DIR is written, and a failed copy leaves no partial file behind."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("original")
+    z = tmp_path / "evil.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        link = zipfile.ZipInfo("x.cdmlfs-partial")
+        link.external_attr = (0o120777 << 16) | 0x20
+        link.create_system = 3
+        zf.writestr(link, str(victim))  # the old temporary name of "x", pointing outside
+        zf.writestr("x", b"ATTACKER CONTENT")
+        zf.writestr("d/inner.txt", b"inside")
+    out = tmp_path / "out"
+    for _ in range(2):  # the second run finds the link already there
+        run_cli("extract", str(z), "", "-C", str(out), check=True)
+    assert victim.read_text() == "original"
+    assert (out / "x").read_bytes() == b"ATTACKER CONTENT" and not (out / "x").is_symlink()
+    # A directory of the destination that is a link to elsewhere: refused, nothing written there.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (out / "d").rename(tmp_path / "d-moved")
+    (out / "d").symlink_to(elsewhere)
+    res = run_cli("extract", str(z), "d/inner.txt", "-C", str(out))
+    assert res.returncode != 0 and "outside" in res.stderr.decode()
+    assert list(elsewhere.iterdir()) == []
+    # A corrupt member: an error, and no temporary file left in the destination.
+    bad = tmp_path / "bad.zip"
+    with zipfile.ZipFile(bad, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("f.bin", text_bytes(100_000))
+    flip_byte_in_member(bad, "f.bin")
+    clean = tmp_path / "clean"
+    res = run_cli("extract", str(bad), "f.bin", "-C", str(clean))
+    assert res.returncode != 0
+    assert [p.name for p in clean.iterdir()] == []
+
+
+def test_cli_ls_shows_a_dangling_symlink(tmp_path: Path) -> None:
+    z = tmp_path / "links.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        link = zipfile.ZipInfo("dog/broken.png")
+        link.external_attr = (0o120777 << 16) | 0x20
+        link.create_system = 3
+        zf.writestr(link, "missing.png")
+    res = run_cli("ls", "-l", str(z), "dog/broken.png", check=True)
+    assert "dog/broken.png -> missing.png" in res.stdout.decode()

@@ -396,3 +396,32 @@ def test_stock_imagefolder_on_mount_equals_archive_reads(trees: dict[str, Path],
             DataLoader(direct, 4), DataLoader(stock, 4, num_workers=2), strict=True
         ):
             assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_bad_samples_raise_oserror_like_files_on_disk(tmp_path: Path) -> None:
+    """Loops that skip bad samples with ``except OSError`` work on archives as on a directory: a link
+    to a missing file is FileNotFoundError, a corrupt member an OSError with EIO."""
+    import errno
+
+    from archives import flip_byte_in_member
+
+    z = tmp_path / "bad.zip"
+    good = tmp_path / "good.png"
+    _image(good, 1)
+    with zipfile.ZipFile(z, "w", zipfile.ZIP_STORED) as zf:
+        zf.write(good, "cat/good.png")
+        zf.write(good, "cat/corrupt.png")
+        link = zipfile.ZipInfo("dog/broken.png")
+        link.external_attr = (0o120777 << 16) | 0x20
+        link.create_system = 3
+        zf.writestr(link, "missing.png")
+        zf.write(good, "dog/good.png")
+    flip_byte_in_member(z, "cat/corrupt.png")
+    ds = ArchiveImageFolder(str(z))
+    by_name = {os.path.basename(p) + str(t): i for i, (p, t) in enumerate(ds.samples)}
+    with pytest.raises(FileNotFoundError):
+        ds[by_name["broken.png1"]]
+    with pytest.raises(OSError) as err:
+        ds[by_name["corrupt.png0"]]
+    assert err.value.errno == errno.EIO and "CRC" in str(err.value)
+    assert ds[by_name["good.png1"]][1] == 1

@@ -17,7 +17,8 @@ class LocalFile:
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(path)
         try:
-            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            # O_NONBLOCK: opening a FIFO would otherwise wait for a writer forever (refused below).
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             raise UsageError(f"{path}: no such file") from None
         except IsADirectoryError:
@@ -28,6 +29,7 @@ class LocalFile:
         if not stat.S_ISREG(st.st_mode) and not stat.S_ISBLK(st.st_mode):
             os.close(fd)
             raise UsageError(f"{path}: not a regular file")
+        os.set_blocking(fd, True)  # pread ignores it on files; keep the descriptor ordinary anyway
         self._fd = fd
         self.size = st.st_size if stat.S_ISREG(st.st_mode) else os.lseek(fd, 0, os.SEEK_END)
         self.identity = SourceIdentity(self.path, self.size, str(st.st_mtime_ns))

@@ -264,9 +264,12 @@ class S3Object:
                     kwargs["s3"] = {"addressing_style": self._addressing}
                 if self._unsigned:
                     kwargs["signature_version"] = UNSIGNED
-                self._client = self._session.client(  # type: ignore[union-attr]
-                    "s3", endpoint_url=self.endpoint_url, config=Config(**kwargs)
-                )
+                try:
+                    self._client = self._session.client(  # type: ignore[union-attr]
+                        "s3", endpoint_url=self.endpoint_url, config=Config(**kwargs)
+                    )
+                except ValueError as exc:  # botocore: "Invalid endpoint: 127.0.0.1:9000" (no scheme)
+                    raise UsageError(f"{exc} (an endpoint URL looks like http://host:port)") from None
             return self._client
 
     def _before_fork(self) -> None:
