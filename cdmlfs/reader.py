@@ -66,6 +66,10 @@ class ContainerStream(Protocol):
         """Decoded bytes of one extent (exactly its length), or raise a MemberError."""
         ...
 
+    def verified_extent(self, key: Hashable) -> bool:
+        """Whether a decoded extent's bytes were checked as a whole (a zstd frame and its checksum)."""
+        ...
+
 
 class ArchiveFormat(Protocol):
     """An opened archive: its index, its source, and where each member's bytes start."""
@@ -239,10 +243,8 @@ class ExtentReader:
             if method == STORED:
                 return self._read_stored(eid, offset, size, total)
             if method == IN_STREAM:
-                if ix.flags[eid] & MEMBER_CRC and self._member_bytes is not None:
-                    data = self._read_checked_member(eid, offset, size, total)
-                    if data is not None:
-                        return data
+                if ix.flags[eid] & MEMBER_CRC:
+                    return self._read_member_with_crc(eid, offset, size, total)
                 return self._read_in_stream(ix.offset[eid] + offset, size)
             if method == DEFLATE:
                 if total <= self.whole_limit:
@@ -494,6 +496,31 @@ class ExtentReader:
         self._verified[eid] = VERIFIED
 
     # -- containers ----------------------------------------------------------
+    def _read_member_with_crc(self, eid: int, offset: int, size: int, total: int) -> bytes | memoryview:
+        """A member whose own CRC the index holds (packed archives): checked before it is served.
+
+        Its frame decoded up to the member's end when the frame worker takes it;
+        otherwise (a frame too large for one decode is served in pieces, which
+        the frame checksum covers only at the frame's end) the whole member
+        gathered from the extents. A member too large to gather is checked, like
+        a large stored one, only by reading it whole.
+        """
+        if self._member_bytes is not None:
+            data = self._read_checked_member(eid, offset, size, total)
+            if data is not None:
+                return data
+        start = self.index.offset[eid]
+        # checked=False: the C path must not serve other members from an unverified piece.
+        if self._verified[eid] == VERIFIED or total > self.whole_limit:
+            return self._read_in_stream(start + offset, size, checked=False)
+        whole = self._read_in_stream(start, total, checked=False)
+        try:
+            _check_crc(whole, self.index.crc[eid])
+        except CorruptMemberError as exc:
+            self._mark_corrupt(eid, str(exc))
+        self._verified[eid] = VERIFIED
+        return _view(whole, offset, offset + size)
+
     def _read_checked_member(self, eid: int, offset: int, size: int, total: int) -> memoryview | None:
         """A member decoded only as far as its end, served once its own CRC checks (or None)."""
         whole = self._member_bytes(self.index.offset[eid], total)  # type: ignore[misc]
@@ -507,7 +534,10 @@ class ExtentReader:
             self._verified[eid] = VERIFIED
         return whole[offset : offset + size]
 
-    def _read_in_stream(self, offset: int, size: int) -> bytes:
+    def _read_in_stream(self, offset: int, size: int, checked: bool = True) -> bytes:
+        """Stream bytes through cached extents; the last one is handed to the C fast path (which
+        serves every member inside it) when there is nothing to check (``checked``: members
+        without CRCs) or the stream verified it whole (a zstd frame, checksum included)."""
         stream = self.stream
         if stream is None:
             raise UnsupportedMethodError("member lives in a container stream this archive does not have")
@@ -524,7 +554,7 @@ class ExtentReader:
             lo = max(offset - start, 0)
             hi = min(end - start, length)
             parts.append(_view(chunk, lo, hi))
-        if self.on_extent is not None:
+        if self.on_extent is not None and (checked or stream.verified_extent(key)):
             try:
                 self.on_extent(key, start, chunk)
             except Exception as exc:  # an optimisation: the read itself has its bytes

@@ -407,3 +407,41 @@ def test_mount_serves_reads_across_many_frames_in_c(
         assert 1 <= fast["hot_extents"] <= frames, fast
         # Only reads that reach a frame before it is cached and reported go to Python.
         assert fast["read_fast"] >= len(paths) // 2, fast
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("fastpath", ["1", "0"], ids=["c-fast-path", "python-path"])
+def test_frames_too_large_for_one_decode_still_check_member_crcs(
+    fastpath: str, tmp_path: Path, mnt: Path, monkeypatch
+) -> None:
+    """16 MiB frames and a 16 MiB cache: frames are served in pieces, before their checksum can be
+    checked. A flipped byte in a raw block of one member is then caught by that member's own CRC."""
+    monkeypatch.setenv("CDMLFS_FASTPATH", fastpath)
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = random.Random(1)
+    files = {f"f{i}.bin": rng.randbytes(3 << 20) for i in range(3)}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    archive = cdmlfs_pack(src, tmp_path / "big-frames.tar.zst", "--frame-size", "16M")
+    blob = bytearray(archive.read_bytes())
+    at = blob.find(files["f1.bin"][1_000_000:1_000_064])  # random bytes: stored verbatim
+    assert at > 0
+    blob[at + 10] ^= 0xFF
+    archive.write_bytes(bytes(blob))
+    with Archive(str(archive), index_dir=str(tmp_path / "idx"), cache_size=16 << 20) as ar:
+        assert ar.read("f0.bin") == files["f0.bin"]
+        for _ in range(2):
+            with pytest.raises(CorruptMemberError, match="CRC"):
+                ar.read("f1.bin", 0, 4096)
+    with mounted(archive, mnt, "--index-dir", str(tmp_path / "idx"), "--cache-size", "16M"):
+        for name, data in files.items():  # every member: its exact bytes, or EIO
+            try:
+                got = (mnt / name).read_bytes()
+            except OSError as exc:
+                assert exc.errno == errno.EIO
+            else:
+                assert got == data, name
+        with pytest.raises(OSError) as exc:
+            (mnt / "f1.bin").read_bytes()
+        assert exc.value.errno == errno.EIO

@@ -200,6 +200,9 @@ class RawStream:
         start = k * RAW_BLOCK
         return self.source.read_at(start, min(RAW_BLOCK, self.total - start))
 
+    def verified_extent(self, key: Hashable) -> bool:
+        return False  # plain tar has no checksums
+
 
 class _Cursor:
     """A forward-only decoder inside one large frame."""
@@ -380,6 +383,11 @@ class ZstdStream:
             if data is not None and len(data) == length:
                 room.commit(key, data)
                 self.prefetched += 1
+
+    def verified_extent(self, key: Hashable) -> bool:
+        """A whole frame was decoded to its end (its checksum checked when it has one); a piece
+        of a large frame is served before the frame's end is reached."""
+        return key[0] == "zf"  # type: ignore[index]
 
     def decode(self, key: Hashable) -> bytes:
         self._in_this_process()
@@ -563,6 +571,8 @@ class ZstdStream:
                 return None  # only ever continue a decoder exactly where it stands
             try:
                 if cur.reader is None or cur.pos > target:
+                    # The header's content size against the table, as whole frames are checked.
+                    self._check_frame(i, self.source.read_at(fr.comp_offset[i], min(18, fr.comp_size[i])))
                     dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
                     raw = _SourceRange(self.source, fr.comp_offset[i], fr.comp_size[i])
                     cur.reader = dctx.stream_reader(raw, read_size=SCAN_CHUNK, read_across_frames=False)
