@@ -346,19 +346,29 @@ class IndexBuilder:
         return parent
 
     def add_hardlink(self, name: str, target_name: str, mtime: float, mode: int) -> int | None:
-        """A hard link (tar): shares the target's data and inode. Unknown targets are skipped."""
-        target = self._index._lookup.get(normalize(target_name))
+        """A hard link (tar): shares the target's data, inode, mode and mtime (what ``tar -x``
+        gives: link(2) takes no metadata of its own). Unknown targets are skipped."""
+        target_path = normalize(target_name)
+        target = self._index._lookup.get(target_path)
+        ix = self._index
+        if target is not None and ix.kind[target] == SYMLINK and target in ix.link_target:
+            # A hard link to a symlink (tar -x links the symlink itself): the same link, by value.
+            eid = self.add(name, SYMLINK, ix.mode[target], ix.mtime[target], ix.size[target], STORED, 0, 0, 0)
+            if eid is not None:
+                ix.link_target[eid] = ix.link_target[target]
+            return eid
         if target is None or self._index.kind[target] != FILE:
             log.warning("skipping hard link %r: target %r is not a file seen before it", name, target_name)
             self.dropped += 1
             return None
-        target = self._index.hardlink_of.get(target, target)
-        ix = self._index
+        if normalize(name) == target_path:
+            return target  # a link to itself: tar -x leaves the file as it is
+        target = ix.hardlink_of.get(target, target)
         eid = self.add(
             name,
             FILE,
-            mode,
-            mtime,
+            ix.mode[target],
+            ix.mtime[target],
             ix.size[target],
             ix.method[target],
             ix.offset[target],
@@ -368,7 +378,6 @@ class IndexBuilder:
         )
         if eid is not None and eid != target:
             ix.hardlink_of[eid] = target
-            ix.nlink_extra[target] = ix.nlink_extra.get(target, 0) + 1
         return eid
 
     def set_link_target(self, eid: int, target: str) -> None:
@@ -392,5 +401,15 @@ class IndexBuilder:
             if len(arr) > 1:
                 children[pid] = array("I", sorted(arr, key=key))
         ix._children = children
+        if ix.hardlink_of:
+            # Link counts from the paths that remain: a later duplicate of a link's path (or of its
+            # target's) takes that path away from the inode, as it does for tar -x.
+            shared = set(ix.hardlink_of.values())
+            counts: dict[int, int] = {}
+            for eid in ix._lookup.values():
+                data = ix.hardlink_of.get(eid, eid)
+                if data in shared:
+                    counts[data] = counts.get(data, 0) + 1
+            ix.nlink_extra = {data: n - 1 for data, n in counts.items() if n > 1}
         self._dir_ids = {}
         return ix

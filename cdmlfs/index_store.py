@@ -34,7 +34,7 @@ from cdmlfs.sources.base import SourceIdentity
 log = logging.getLogger(__name__)
 
 MAGIC = b"CDMLFSIX"
-VERSION = 1
+VERSION = 2  # 2: hard links carry their target's mode and mtime; link counts from remaining paths
 HEADER = struct.Struct("<8sHHIQ")
 MAX_INDEX_FILE = 4 << 30
 

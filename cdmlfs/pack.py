@@ -173,6 +173,10 @@ def entries_from_archive(archive) -> list[PackEntry]:
 
     out: list[PackEntry] = []
     links: list[PackEntry] = []
+    # Hard links whose target's path now names another entry (a later duplicate replaced it, as
+    # `tar -r` appends do): the first such link carries the data as a file, the others link to it.
+    carried: dict[int, str] = {}
+    carriers: list[PackEntry] = []
     for eid in index.walk(0):
         kind = index.kind[eid]
         path = index.paths[eid]
@@ -185,6 +189,14 @@ def entries_from_archive(archive) -> list[PackEntry]:
         elif eid in index.hardlink_of:
             data = index.hardlink_of[eid]
             size = index.size[data]
+            target = index.paths[data]
+            if index.get(target) != data:
+                if data not in carried:
+                    carried[data] = path
+                    mode, mtime, chunks = index.mode[eid], index.mtime[eid], member_chunks(data, size)
+                    carriers.append(PackEntry(path, FILE, mode, mtime, size, read=chunks))
+                    continue
+                target = carried[data]
             links.append(
                 PackEntry(
                     path,
@@ -192,7 +204,7 @@ def entries_from_archive(archive) -> list[PackEntry]:
                     index.mode[eid],
                     index.mtime[eid],
                     size,
-                    link=index.paths[data],
+                    link=target,
                     read=member_chunks(data, size),
                 )
             )
@@ -203,7 +215,7 @@ def entries_from_archive(archive) -> list[PackEntry]:
                 index.paths[eid], FILE, index.mode[eid], index.mtime[eid], size, read=member_chunks(eid, size)
             )
         )
-    return out + links
+    return out + carriers + links
 
 
 # -- tar stream ------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import io
 import logging
 import os
 import struct
+import subprocess
 import tarfile
 import time
 import zlib
@@ -466,3 +467,68 @@ def test_tar_ending_with_a_zip_member_is_a_tar(tmp_path: Path) -> None:
     with Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
         assert ar.format.name == "tar"
         assert sorted(ar.files()) == ["a.txt", "last.zip"]
+
+
+A_V1 = ("a", "file", b"v1", 0o600, 1000)
+
+
+def _tar_of(path: Path, entries: list[tuple[str, str, bytes | str, int, int]]) -> Path:
+    """(name, 'file'|'link'|'symlink', data or link target, mode, mtime) written in this order."""
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
+        for name, kind, payload, mode, mtime in entries:
+            info = tarfile.TarInfo(name)
+            info.mode, info.mtime = mode, mtime
+            if kind == "file":
+                info.size = len(payload)
+                tf.addfile(info, io.BytesIO(payload))
+                continue
+            info.type = tarfile.LNKTYPE if kind == "link" else tarfile.SYMTYPE
+            info.linkname = payload
+            tf.addfile(info)
+    return path
+
+
+def _extracted_links(archive: Path, dest: Path) -> dict[str, tuple]:
+    subprocess.run(["tar", "-xf", str(archive), "-C", str(dest)], check=True)
+    out = {}
+    for p in sorted(dest.iterdir()):
+        st = p.lstat()
+        data = None if p.is_symlink() else p.read_bytes()
+        out[p.name] = (st.st_nlink, st.st_mode & 0o7777, int(st.st_mtime), data)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("label", "entries"),
+    [
+        # tar cf x.tar a a, with a hard-linked: the second 'a' is a link to itself
+        ("same file twice", [("a", "file", b"v1", 0o644, 1000), ("a", "link", "a", 0o644, 1000)]),
+        # tar -r of a new 'a' after 'b' was stored as a link to the old one
+        ("target replaced later", [A_V1, ("b", "link", "a", 0o755, 2000), ("a", "file", b"v2", 0o644, 3000)]),
+        ("link repeated", [A_V1, ("b", "link", "a", 0o644, 1000), ("b", "link", "a", 0o644, 1000)]),
+        ("link metadata", [("a", "file", b"v1", 0o600, 1000), ("b", "link", "a", 0o755, 2000)]),
+        ("link to a symlink", [("s", "symlink", "a", 0o777, 1000), ("h", "link", "s", 0o777, 1000)]),
+    ],
+)
+def test_hard_links_have_what_tar_x_gives(label: str, entries: list, tmp_path: Path) -> None:
+    """Link counts from the paths that remain, and the target's mode and mtime (link(2) has none)."""
+    archive = _tar_of(tmp_path / "links.tar", entries)
+    (tmp_path / "x").mkdir()
+    expected = _extracted_links(archive, tmp_path / "x")
+    with Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
+        got = {}
+        for name in sorted(expected):
+            st = ar.stat(name, follow_symlinks=False)
+            data = ar.read(name) if st.kind == FILE else None
+            if st.kind != FILE:
+                got[name] = (expected[name][0], st.mode & 0o7777, int(st.mtime), None)  # symlinks: no nlink
+            else:
+                got[name] = (st.nlink, st.mode & 0o7777, int(st.mtime), data)
+    assert got == expected
+    # Packed again, the same tree comes out of tar -x (a link whose target was replaced keeps v1).
+    packed = cdmlfs_pack(archive, tmp_path / "again.tar.zst", "--index-dir", str(tmp_path / "idx"))
+    (tmp_path / "y").mkdir()
+    subprocess.run(["tar", "--zstd", "-xf", str(packed), "-C", str(tmp_path / "y")], check=True)
+    for name, (_, _, _, data) in expected.items():
+        if data is not None:
+            assert (tmp_path / "y" / name).read_bytes() == data, name
