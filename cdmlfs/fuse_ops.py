@@ -24,6 +24,7 @@ import ctypes
 import errno
 import json
 import logging
+import math
 import os
 import stat as statmod
 import threading
@@ -41,6 +42,16 @@ _FUSE_READDIR_PLUS = 1
 _FUSE_FILL_DIR_PLUS = 2
 TIMEOUT = 3600.0
 STATS_XATTR = "user.cdmlfs.stats"
+
+
+def timespec(mtime: float) -> tuple[int, int]:
+    """Seconds and nanoseconds of a time kept as a double: floored seconds (-1.5 is -2 s + 0.5e9 ns,
+    as stat gives), nanoseconds rounded to the nearest (doubles near 2021 resolve about 0.24 µs)."""
+    sec = math.floor(mtime)
+    nsec = int((mtime - sec) * 1e9 + 0.5)
+    if nsec >= 1_000_000_000:
+        return sec + 1, nsec - 1_000_000_000
+    return sec, nsec
 
 
 def load_mfusepy():
@@ -138,9 +149,7 @@ class ArchiveOperations:
         st.st_uid = self.uid
         st.st_gid = self.gid
         st.st_blksize = 4096
-        mtime = ix.mtime[eid]
-        sec = int(mtime)
-        nsec = int((mtime - sec) * 1e9)
+        sec, nsec = timespec(ix.mtime[eid])
         for ts in (st.st_mtimespec, st.st_ctimespec, st.st_atimespec):
             ts.tv_sec = sec
             ts.tv_nsec = nsec

@@ -34,7 +34,9 @@ from cdmlfs.sources.base import SourceIdentity
 log = logging.getLogger(__name__)
 
 MAGIC = b"CDMLFSIX"
-VERSION = 2  # 2: hard links carry their target's mode and mtime; link counts from remaining paths
+# 2: hard links take their target's mode and mtime, link counts from the paths that remain.
+# 3: a lone zero block ends the listing (as GNU tar). Older files are rebuilt, never trusted.
+VERSION = 3
 HEADER = struct.Struct("<8sHHIQ")
 MAX_INDEX_FILE = 4 << 30
 

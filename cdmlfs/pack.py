@@ -401,6 +401,17 @@ def _zip_info(entry: PackEntry, level: int) -> zipfile.ZipInfo:
 
 
 def write_zip(entries: list[PackEntry], f, level: int, progress: Progress | None, total: int) -> None:
+    for entry in entries:
+        try:
+            entry.name.encode("utf-8")
+        except UnicodeEncodeError:
+            # A Linux file name is any bytes; a ZIP name is UTF-8 (or cp437, which every reader would
+            # show as other characters). tar keeps bytes as they are.
+            shown = entry.name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            raise UsageError(
+                f"{shown}: this name is not valid UTF-8 and a ZIP cannot store it as it is; "
+                "rename it, or pack to .tar.zst"
+            ) from None
     done = 0
     last_report = 0.0
     with zipfile.ZipFile(f, "w", allowZip64=True) as zf:

@@ -149,11 +149,16 @@ fp_getattr(const char *path, struct stat *st, void *fi)
         st->st_size = (off_t)size;
         st->st_blocks = (blkcnt_t)((size + 511) >> 9);
     }
+    /* As cdmlfs.fuse_ops.timespec: floored seconds, nanoseconds rounded to the nearest. */
     double m = COL(t, COL_MTIME, double)[e];
     time_t sec = (time_t)m;
-    long nsec = (long)((m - (double)sec) * 1e9);
-    if (nsec < 0)
-        nsec = 0;
+    if ((double)sec > m)
+        sec -= 1;
+    long nsec = (long)((m - (double)sec) * 1e9 + 0.5);
+    if (nsec >= 1000000000L) {
+        sec += 1;
+        nsec -= 1000000000L;
+    }
     st->st_mtim.tv_sec = st->st_ctim.tv_sec = st->st_atim.tv_sec = sec;
     st->st_mtim.tv_nsec = st->st_ctim.tv_nsec = st->st_atim.tv_nsec = nsec;
     atomic_fetch_add_explicit(&t->getattr_fast, 1, memory_order_relaxed);

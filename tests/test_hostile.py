@@ -183,15 +183,15 @@ def test_tar_with_huge_but_representable_size_lists_and_gives_eio(tmp_path: Path
             ar.read("huge", 1 << 40, 4096)
 
 
-def test_tar_zst_lone_zero_block_before_a_frame_boundary_is_read_on() -> None:
-    """GNU tar reads past a lone zero block; the scan peeked at the next block, then read it again —
-    which the forward-only zstd view cannot do when that block straddles two frames (AssertionError)."""
+def test_tar_zst_lone_zero_block_before_a_frame_boundary_ends_the_listing() -> None:
+    """GNU tar 1.34 stops at a lone zero block ("A lone zero block at 3") and so do we; looking at the
+    next block, which straddles two frames here, must not trip the forward-only zstd view."""
     tar = FILE_ABC + bytes(512) + th.build_header("g", th.REGTYPE, 2) + b"gg" + bytes(510) + bytes(1024)
     cut = 1024 + 100  # inside the block after the zero block
     blob = craft.zstd_frame(tar[:cut], content_size=False) + craft.zstd_frame(tar[cut:])
     with _open(blob) as ar:
-        assert sorted(ar.listdir("")) == ["f", "g"]
-        assert ar.read("g") == b"gg"
+        assert sorted(ar.listdir("")) == ["f"]
+        assert ar.read("f") == b"abc"
 
 
 @pytest.mark.parametrize("with_progress", [False, True])

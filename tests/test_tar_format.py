@@ -532,3 +532,40 @@ def test_hard_links_have_what_tar_x_gives(label: str, entries: list, tmp_path: P
     for name, (_, _, _, data) in expected.items():
         if data is not None:
             assert (tmp_path / "y" / name).read_bytes() == data, name
+
+
+def test_empty_tar_and_odd_members_match_tar_x(tmp_path: Path) -> None:
+    """An empty archive opens (tar -x accepts it); a contiguous-file member named 'x/' is a directory."""
+    empty = tmp_path / "empty.tar"
+    subprocess.run(["tar", "cf", str(empty), "-T", "/dev/null"], check=True)
+    with Archive(str(empty), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.listdir("") == []
+    odd = tmp_path / "odd.tar"
+    odd.write_bytes(build_header("cont/", b"7", 0) + bytes(1024))
+    (tmp_path / "x").mkdir()
+    subprocess.run(["tar", "xf", str(odd), "-C", str(tmp_path / "x")], check=True)
+    assert (tmp_path / "x" / "cont").is_dir()
+    with Archive(str(odd), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.isdir("cont")
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("fastpath", ["1", "0"], ids=["c-fast-path", "python-path"])
+def test_negative_and_fractional_mtimes_as_stat_gives_them(
+    fastpath: str, tmp_path: Path, mnt: Path, monkeypatch
+) -> None:
+    """Seconds are floored (-1.5 s is -2 s + 0.5e9 ns, not -1 s), nanoseconds rounded."""
+    from mountutil import mounted
+
+    monkeypatch.setenv("CDMLFS_FASTPATH", fastpath)
+    archive = tmp_path / "times.tar"
+    with tarfile.open(archive, "w", format=tarfile.PAX_FORMAT) as tf:
+        for name, mtime in (("neg", "-1.5"), ("small", "-0.25"), ("frac", "1600000000.5")):
+            info = tarfile.TarInfo(name)
+            info.pax_headers = {"mtime": mtime}
+            tf.addfile(info, io.BytesIO(b""))
+    (tmp_path / "x").mkdir()
+    subprocess.run(["tar", "xf", str(archive), "-C", str(tmp_path / "x")], check=True, capture_output=True)
+    with mounted(archive, mnt, "--index-dir", str(tmp_path / "idx")):
+        for name in ("neg", "small", "frac"):
+            assert (mnt / name).stat().st_mtime_ns == (tmp_path / "x" / name).stat().st_mtime_ns, name

@@ -126,10 +126,8 @@ def scan_tar(view, members: MemberTable) -> int:
     stats = _ScanStats()
     read = view.read
     append = members.append
-    peeked: bytes | None = None  # the block after a lone zero block, already read: never read it twice
     while True:
-        block = read(pos, th.BLOCK) if peeked is None else peeked
-        peeked = None
+        block = read(pos, th.BLOCK)
         if len(block) < th.BLOCK:
             if pos == 0:
                 raise ArchiveFormatError("not a tar archive (the stream is shorter than one header)")
@@ -138,11 +136,10 @@ def scan_tar(view, members: MemberTable) -> int:
             break  # ended on a block boundary without the end-of-archive blocks: accepted like GNU tar
         if block == th.ZERO_BLOCK:
             nxt = read(pos + th.BLOCK, th.BLOCK)
-            if not nxt or nxt == th.ZERO_BLOCK[: len(nxt)]:
-                break  # end of archive: two zero blocks (or one and the end of the stream)
-            pos += th.BLOCK  # a lone zero block: GNU tar reads on
-            peeked = nxt  # the zstd scan view cannot step back into a frame it has left
-            continue
+            if nxt and nxt != th.ZERO_BLOCK[: len(nxt)]:
+                # GNU tar stops here too ("A lone zero block"); only tar -i would read on.
+                log.warning("a lone zero block at offset %d ends the listing, as it does for tar -x", pos)
+            break  # end of archive: two zero blocks (or one and the end of the stream)
         try:
             h = th.parse_header(block)
         except th.TarHeaderError as exc:
@@ -209,7 +206,7 @@ def scan_tar(view, members: MemberTable) -> int:
                 stats.sparse += 1
                 log.warning("skipping member %r: sparse files are not supported", name)
                 continue
-            if name.endswith("/") and typeflag != th.CONTTYPE:
+            if name.endswith("/"):
                 append(DIR, name, h.mode, mtime, 0, 0)  # pre-POSIX tars mark directories with a slash
             else:
                 append(FILE, name, h.mode, mtime, size, data_off)
