@@ -29,6 +29,14 @@ from cdmlfs.formats import tarheader as th
 
 pytestmark = pytest.mark.fuse
 
+
+@pytest.fixture(params=["1", "0"], ids=["c-fast-path", "python-path"])
+def both_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The test runs twice: with the C fast path, and with every request served in Python."""
+    monkeypatch.setenv("CDMLFS_FASTPATH", request.param)
+    return request.param
+
+
 READER = r"""
 import os, sys
 path, offset, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -129,11 +137,7 @@ def test_overlapping_members_on_a_mount_stay_within_the_cache(tmp_path: Path, mn
     assert growth < 32 + 80
 
 
-@pytest.mark.parametrize("fastpath", ["1", "0"], ids=["c-fast-path", "python-path"])
-def test_lying_local_headers_are_eio_on_both_paths(
-    fastpath: str, tmp_path: Path, mnt: Path, monkeypatch
-) -> None:
-    monkeypatch.setenv("CDMLFS_FASTPATH", fastpath)
+def test_lying_local_headers_are_eio_on_both_paths(both_paths: str, tmp_path: Path, mnt: Path) -> None:
     good = {f"g{i}": zlib.compress(bytes([i]) * 999)[:50] * 3 for i in range(5)}
     members = [craft.member(n, d, method=8 if i % 2 else 0) for i, (n, d) in enumerate(good.items())]
     into = craft.member("into_next", b"lands in the next member " * 40)
@@ -289,14 +293,10 @@ def _cat(path: Path) -> subprocess.CompletedProcess:
     return subprocess.run(["cat", str(path)], capture_output=True, timeout=60)
 
 
-@pytest.mark.parametrize("fastpath", ["1", "0"], ids=["c-fast-path", "python-path"])
-def test_large_stored_member_with_a_bad_crc_stays_eio(
-    fastpath: str, tmp_path: Path, mnt: Path, monkeypatch
-) -> None:
+def test_large_stored_member_with_a_bad_crc_stays_eio(both_paths: str, tmp_path: Path, mnt: Path) -> None:
     """Too large for a whole-member check (cache 16 MiB): the CRC fails when a sequential read reaches
     the end. The kernel retries the failed readahead as a plain read; that, and every later read,
     must fail too instead of serving the member's bytes unchecked."""
-    monkeypatch.setenv("CDMLFS_FASTPATH", fastpath)
     data = os.urandom(8 << 20)
     archive = tmp_path / "big.zip"
     with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as zf:
@@ -312,11 +312,9 @@ def test_large_stored_member_with_a_bad_crc_stays_eio(
     assert "'big.bin' failed: CRC mismatch" in log.read_text()
 
 
-@pytest.mark.parametrize("fastpath", ["1", "0"], ids=["c-fast-path", "python-path"])
 def test_empty_members_whose_record_contradicts_them_are_eio(
-    fastpath: str, tmp_path: Path, mnt: Path, monkeypatch
+    both_paths: str, tmp_path: Path, mnt: Path
 ) -> None:
-    monkeypatch.setenv("CDMLFS_FASTPATH", fastpath)
     text = b"eighteen thousand " * 1000
     members = [
         craft.member("deflate_declared_empty", text, size=0),
@@ -337,12 +335,10 @@ def test_empty_members_whose_record_contradicts_them_are_eio(
         assert (mnt / "ok").read_bytes() == b"fine"
 
 
-@pytest.mark.parametrize("fastpath", ["1", "0"], ids=["c-fast-path", "python-path"])
 def test_deflate_stream_ending_before_its_compressed_size_is_eio_on_both_paths(
-    fastpath: str, tmp_path: Path, mnt: Path, monkeypatch
+    both_paths: str, tmp_path: Path, mnt: Path
 ) -> None:
     """Bytes after the end of the deflate stream: both paths refuse the member, whatever the access."""
-    monkeypatch.setenv("CDMLFS_FASTPATH", fastpath)
     content = b"trailing " * 10000
     padded = craft.member("padded", content)
     padded.data += b"junk after the stream"
