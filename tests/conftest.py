@@ -33,3 +33,10 @@ def mnt(tmp_path: Path):
     yield path
     if is_mounted(path):
         force_unmount(path)
+
+
+@pytest.fixture(params=["1", "0"], ids=["c-fast-path", "python-path"])
+def both_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The test runs twice: with the C fast path, and with every request served in Python."""
+    monkeypatch.setenv("CDMLFS_FASTPATH", request.param)
+    return request.param

@@ -30,13 +30,6 @@ from cdmlfs.formats import tarheader as th
 pytestmark = pytest.mark.fuse
 
 
-@pytest.fixture(params=["1", "0"], ids=["c-fast-path", "python-path"])
-def both_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The test runs twice: with the C fast path, and with every request served in Python."""
-    monkeypatch.setenv("CDMLFS_FASTPATH", request.param)
-    return request.param
-
-
 READER = r"""
 import os, sys
 path, offset, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

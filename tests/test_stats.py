@@ -11,9 +11,7 @@ from mountutil import mount_stats, mounted, run_cli
 pytestmark = pytest.mark.fuse
 
 
-@pytest.mark.parametrize("fastpath", ["1", "0"], ids=["c-fast-path", "python-path"])
-def test_stats_count_what_was_served(fastpath: str, tmp_path: Path, mnt: Path, monkeypatch) -> None:
-    monkeypatch.setenv("CDMLFS_FASTPATH", fastpath)
+def test_stats_count_what_was_served(both_paths: str, tmp_path: Path, mnt: Path) -> None:
     files = sample_files()
     files["bad.txt"] = text_bytes(30_000, 5)
     archive = python_zip(tmp_path / "s.zip", files)
@@ -38,7 +36,7 @@ def test_stats_count_what_was_served(fastpath: str, tmp_path: Path, mnt: Path, m
         assert stats["cache"]["limit"] == 32 << 20
         assert 10 << 20 < stats["rss_bytes"] < 300 << 20
         assert stats["serving"] == "single-threaded"
-        assert (stats["fast_path"] is not None) == (fastpath == "1")
+        assert (stats["fast_path"] is not None) == (both_paths == "1")
         human = run_cli("stats", str(mnt), check=True).stdout.decode()
         assert "hit rate" in human and "CorruptMemberError" in human
 

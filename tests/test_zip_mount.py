@@ -390,10 +390,8 @@ def test_cache_bound_holds_while_reading_more_than_the_cache(tmp_path: Path, mnt
     assert peak_mib < cache_mib + 32, f"daemon grew by {peak_mib:.0f} MiB over its post-mount RSS"
 
 
-@pytest.mark.parametrize("fastpath", ["1", "0"], ids=["c-fast-path", "python-path"])
-def test_c_and_python_paths_serve_the_same(fastpath: str, tmp_path: Path, mnt: Path, monkeypatch) -> None:
+def test_c_and_python_paths_serve_the_same(both_paths: str, tmp_path: Path, mnt: Path) -> None:
     """The C getattr/read callbacks and the Python ones give identical trees, bytes and errors."""
-    monkeypatch.setenv("CDMLFS_FASTPATH", fastpath)
     rng = random.Random(21)
     files = {f"d{i % 3}/f{i}.bin": rng.randbytes(rng.randint(0, 150_000)) for i in range(60)}
     files.update({f"t/{i}.txt": text_bytes(rng.randint(1, 200_000), i) for i in range(30)})
@@ -419,4 +417,4 @@ def test_c_and_python_paths_serve_the_same(fastpath: str, tmp_path: Path, mnt: P
                 f.seek(12345)
                 assert f.read(1000) == files["t/3.txt"][12345:13345]
         active = "C fast path active" in log.read_text()
-        assert active == (fastpath == "1")
+        assert active == (both_paths == "1")

@@ -410,13 +410,11 @@ def test_mount_serves_reads_across_many_frames_in_c(
 
 
 @pytest.mark.fuse
-@pytest.mark.parametrize("fastpath", ["1", "0"], ids=["c-fast-path", "python-path"])
 def test_frames_too_large_for_one_decode_still_check_member_crcs(
-    fastpath: str, tmp_path: Path, mnt: Path, monkeypatch
+    both_paths: str, tmp_path: Path, mnt: Path
 ) -> None:
     """16 MiB frames and a 16 MiB cache: frames are served in pieces, before their checksum can be
     checked. A flipped byte in a raw block of one member is then caught by that member's own CRC."""
-    monkeypatch.setenv("CDMLFS_FASTPATH", fastpath)
     src = tmp_path / "src"
     src.mkdir()
     rng = random.Random(1)
