@@ -170,13 +170,47 @@ def test_large_read_is_split_into_parallel_requests() -> None:
     layer.close()
 
 
-def test_failed_prefetch_is_fetched_again_by_the_reader() -> None:
+def test_failed_prefetch_fails_the_reads_that_waited_and_the_next_read_fetches_again() -> None:
+    """The fetch function retried to the end of its budget: a read that waited for that prefetch gets
+    its error (a retry of its own would give it a second budget), and the next read starts over."""
+    from cdmlfs.sources.blocks import FETCHING
+
     data = random.Random(8).randbytes(16 * MiB)
     ra = ReadaheadConfig(min_window=1 * MiB)
     layer, remote, _ = make(data, part_size=1 * MiB, readahead=ra)
-    remote.fail = {m * MiB for m in range(2, 16)}  # every prefetch part fails once
-    for off in range(0, len(data), 256 * KiB):
+    gate = threading.Event()
+    real_fetch = remote.fetch
+
+    def fetch(start: int, end: int) -> bytes:  # prefetches (past 1 MiB) wait at the gate, then fail
+        if start >= MiB and not gate.is_set():
+            gate.wait(10)
+            raise SourceError(f"injected failure at {start}")
+        return real_fetch(start, end)
+
+    layer._fetch = fetch
+    for off in range(0, MiB, 256 * KiB):
         assert layer.read(off, 256 * KiB) == data[off : off + 256 * KiB]
+    deadline = time.monotonic() + 5
+    while not any(sp.prefetch and sp.state == FETCHING for sp in list(layer._spans.values())):
+        assert time.monotonic() < deadline, "no prefetch in flight"
+        time.sleep(0.005)
+    waiting_on = next(sp.start for sp in list(layer._spans.values()) if sp.prefetch and sp.state == FETCHING)
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            layer.read(waiting_on, 4096)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    time.sleep(0.1)  # the reader is waiting on the prefetch's future
+    gate.set()
+    t.join(10)
+    assert len(errors) == 1 and "injected" in str(errors[0])
+    assert not any(start == waiting_on for start, _ in remote.calls)  # it fetched nothing of its own
+    assert layer.read(waiting_on, 4096) == data[waiting_on : waiting_on + 4096]  # fetched anew
     layer.close()
 
 
@@ -348,8 +382,11 @@ def test_scan_into_recycled_buffers_with_a_lagging_reader_is_byte_exact() -> Non
     assert cache.reserved == 0
 
 
-def test_reader_waiting_on_a_span_dropped_behind_fetches_it_again() -> None:
-    """Readers of one stream far apart: the leader drops a span a lagging reader planned to wait on."""
+def test_reader_waiting_on_a_span_dropped_behind_still_gets_its_bytes() -> None:
+    """Readers of one stream far apart: the leader drops a span a lagging reader planned to wait on.
+    The lagging reader took the span's future when it planned: it still gets the bytes."""
+    from concurrent.futures import Future
+
     from cdmlfs.sources import blocks
 
     data = random.Random(14).randbytes(32 * MiB)
@@ -357,13 +394,36 @@ def test_reader_waiting_on_a_span_dropped_behind_fetches_it_again() -> None:
     for off in range(0, 8 * MiB, 256 * KiB):  # a sequential stream: prefetched spans
         layer.read(off, 256 * KiB)
     span = next(s for s in layer._spans.values() if s.prefetch and s.state == blocks.DONE)
+    lo, hi = span.start, span.end
+    taken: Future = Future()  # what the lagging reader took while the span was being fetched
+    taken.set_result(layer.cache.peek(span.key))
     with layer._lock:  # what the leader's drop-behind does to it
         layer._remove(span)
         layer.cache.pop(span.key)
-        span.future = blocks._dropped_future()
-    lo, hi = span.start, span.end
-    pieces = layer._collect(lo, hi, [], [], [span], retry=False)  # its one retry already used up
+    pieces = layer._collect(lo, hi, [], [], [(span, taken)])
     out = bytearray(hi - lo)
     blocks._copy_into(pieces, lo, memoryview(out))
     assert out == data[lo:hi]
+    layer.close()
+
+
+def test_settled_spans_do_not_keep_evicted_bytes_alive() -> None:
+    """A span in the index must not hold its bytes once the cache has evicted them: with a 16 MiB
+    cache, random 1 MiB reads kept every part ever fetched (814 MiB of RSS for a 1 GiB object)."""
+    import gc
+    import tracemalloc
+
+    data = random.Random(15).randbytes(64 * MiB)
+    layer, _, _ = make(data, part_size=1 * MiB, cache_limit=16 * MiB)
+    rng = random.Random(16)
+    tracemalloc.start()
+    try:
+        for _ in range(200):
+            off = rng.randrange(0, 63 * MiB)
+            assert layer.read(off, MiB) == data[off : off + MiB]
+        gc.collect()
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 16 * MiB + 4 * MiB, held / MiB  # the cache, plus a little
     layer.close()

@@ -53,12 +53,12 @@ log = logging.getLogger(__name__)
 KiB = 1 << 10
 MiB = 1 << 20
 
-MAX_REPLANS = 8  # a reader whose spans keep being dropped behind gives up after this many plans
 PENDING = 0  # prefetch queued, no reservation yet: readers cancel it rather than wait
 FETCHING = 1  # request running: readers wait for it
 DONE = 2  # bytes are (or were, until evicted) in the cache under the span's key
 
 Fetch = Callable[[int, int], bytes]
+_Waiter = tuple["_Span", Future]  # a span being fetched, and the future its readers took when planning
 FetchInto = Callable[[int, int, memoryview], None]  # fills the buffer with bytes [start, end) or raises
 
 
@@ -173,7 +173,7 @@ class BlockLayer:
         stream, ahead = self._streams.observe(offset, length, self.size)
         expand = self._probes.observe(offset, length)
         pieces, own, waits = self._plan(offset, offset + length, expand)
-        self._submit(own)
+        self._submit([span for span, _ in own])
         if ahead is not None:  # queue the prefetch before waiting: it overlaps with our own requests
             self._prefetch(ahead[0], ahead[1], stream)
         pieces = self._collect(offset, offset + length, pieces, own, waits)
@@ -215,43 +215,29 @@ class BlockLayer:
                 pool.submit(self._run_foreground, span)
 
     def _collect(
-        self,
-        offset: int,
-        end: int,
-        pieces: list,
-        own: list[_Span],
-        waits: list[_Span],
-        retry: bool = True,
-        replans: int = 0,
+        self, offset: int, end: int, pieces: list, own: list[_Waiter], waits: list[_Waiter]
     ) -> list[tuple[int, bytes]]:
-        """Wait for our requests and the ones we share: all pieces that cover [offset, end)."""
-        for span in own:
-            pieces.append((span.start, span.future.result()))  # type: ignore[union-attr]
-        for span in waits:
-            try:
-                pieces.append((span.start, span.future.result()))  # type: ignore[union-attr]
-            except _Dropped:
-                # Another reader of the stream dropped it behind itself: plan again (its bytes are
-                # fetched by us now). Not a failure, so it does not use up the one retry below.
-                if replans >= MAX_REPLANS:
-                    raise
-                pieces, own, waits = self._plan(offset, end, 0)
-                self._submit(own)
-                return self._collect(offset, end, pieces, own, waits, retry, replans + 1)
-            except Exception:
-                if not (span.prefetch and retry):
-                    raise
-                # A failed prefetch (already retried, now out of the index): fetch the bytes ourselves once.
-                pieces, own, waits = self._plan(offset, end, 0)
-                self._submit(own)
-                return self._collect(offset, end, pieces, own, waits, False, replans)
+        """Wait for our requests and the ones we share: all pieces that cover [offset, end).
+
+        The futures were taken when the read was planned: a span lets go of its
+        future once settled (so bytes the cache evicts are not kept alive by the
+        span index), and a span dropped behind a stream meanwhile still hands
+        its bytes to the readers that were waiting for it. A failed request
+        (already retried to the end of its budget by the fetch function) fails
+        the reads that waited for it, prefetch or not: retrying here would give
+        those reads a second full budget.
+        """
+        for span, fut in own:
+            pieces.append((span.start, fut.result()))
+        for span, fut in waits:
+            pieces.append((span.start, fut.result()))
         return pieces
 
     def _plan(self, offset: int, end: int, expand: int) -> tuple[list, list[_Span], list[_Span]]:
         """Under the lock: what is cached, what is in flight, and register fetches for the rest."""
         pieces: list[tuple[int, bytes]] = []
-        waits: list[_Span] = []
-        own: list[_Span] = []
+        waits: list[_Waiter] = []
+        own: list[_Waiter] = []
         with self._lock:
             starts = self._starts
             i = max(bisect.bisect_right(starts, offset) - 1, 0)
@@ -277,7 +263,7 @@ class BlockLayer:
                     continue
                 else:
                     piece = None
-                    waits.append(span)
+                    waits.append((span, span.future))  # type: ignore[arg-type]
                 if span.start > pos:
                     gaps.append([pos, span.start])
                 if piece is not None:
@@ -295,7 +281,7 @@ class BlockLayer:
                 for plo, phi in self._split(lo, hi):
                     span = _Span(self._tag, plo, phi, FETCHING, False)
                     self._insert(span)
-                    own.append(span)
+                    own.append((span, span.future))  # type: ignore[arg-type]
         return pieces, own, waits
 
     def _split(self, lo: int, hi: int) -> list[tuple[int, int]]:
@@ -418,9 +404,6 @@ class BlockLayer:
                 if span.state == DONE and self._spans.get(span.start) is span:
                     self._remove(span)
                     dropped.append(self.cache.pop(span.key))
-                    # The finished future holds the bytes too: a reader that still reaches this span
-                    # finds a failed prefetch instead and fetches the range itself (see _collect).
-                    span.future = _dropped_future()
                     self.stats.dropped_behind += 1
         if dropped and self._buffers is not None:
             self._buffers.recycle(dropped)
@@ -513,20 +496,19 @@ def _settled(span: _Span) -> bool:
     return fut is None or fut.done()
 
 
-class _Dropped(SourceError):
-    """A prefetched span was dropped behind its stream before this reader collected it."""
-
-
-def _dropped_future() -> Future:
-    fut: Future = Future()
-    fut.set_exception(_Dropped("prefetched span dropped behind the reader"))
-    return fut
-
-
 def _settle(span: _Span, data: bytes | None = None, exc: BaseException | None = None) -> None:
-    """Complete a span's future once (close() may have failed it already)."""
+    """Complete a span's future once (close() may have failed it already), then let go of it.
+
+    The readers that wait took the future when they planned; the span itself
+    must not keep it, or the bytes would stay referenced after the cache evicts
+    them, for as long as the span stays in the index (measured: a 16 MiB cache,
+    random 1 MiB reads of a 1 GiB object, 814 MiB of RSS).
+    """
     fut = span.future
-    if fut is None or fut.done():
+    if fut is None:
+        return
+    span.future = None
+    if fut.done():
         return
     try:
         if exc is not None:
