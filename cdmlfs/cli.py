@@ -33,6 +33,16 @@ def parse_size(text: str) -> int:
     return int(number * (1024**power))
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 1 <= value <= 86400:
+        raise argparse.ArgumentTypeError(f"invalid time {text!r} (seconds, 1 to 86400)")
+    return value
+
+
 def _poll_us(text: str) -> int:
     try:
         value = int(text)
@@ -75,6 +85,11 @@ def _source_options(args: argparse.Namespace) -> dict:
         value = getattr(args, key, None)
         if value not in (None, False):
             opts[key] = value
+    deadline = getattr(args, "read_deadline", None)
+    if deadline is not None:
+        from cdmlfs.sources.retry import RetryPolicy
+
+        opts["retry"] = RetryPolicy(deadline=deadline)
     return opts
 
 
@@ -399,6 +414,13 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--region", help="bucket region (default: from the AWS profile or environment)")
         g.add_argument("--no-sign-request", action="store_true", help="anonymous requests (public buckets)")
         g.add_argument("--profile", help="AWS profile from ~/.aws/config and ~/.aws/credentials")
+        g.add_argument(
+            "--read-deadline",
+            type=_seconds,
+            metavar="SECONDS",
+            help="longest a read may take, retries and slow replies included, before it fails with EIO "
+            "(default 60)",
+        )
         g.add_argument(
             "--addressing-style",
             choices=("auto", "path", "virtual"),

@@ -173,7 +173,9 @@ def start_localbucket(root: Path) -> Endpoint:
 
 
 # -- fault-injecting proxy ------------------------------------------------------------------
-FAULTS = ("503", "500", "reset", "stall", "truncate", "short", "stall_body", "403")
+# drip: the whole body, 16 bytes every DRIP_PAUSE seconds (each socket read gets data in time)
+FAULTS = ("503", "500", "reset", "stall", "truncate", "short", "stall_body", "403", "drip")
+DRIP_PAUSE = 0.2
 
 
 @dataclass
@@ -341,7 +343,13 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 if not chunk:
                     break
                 keep = chunk[: max(0, limit - sent)]
-                if keep:
+                if keep and fault == "drip":
+                    for i in range(0, len(keep), 16):
+                        self.wfile.write(keep[i : i + 16])
+                        self.wfile.flush()
+                        written += len(keep[i : i + 16])
+                        time.sleep(DRIP_PAUSE)
+                elif keep:
                     self.wfile.write(keep)
                     written += len(keep)
                 sent += len(chunk)

@@ -293,7 +293,9 @@ def test_persistent_failure_gives_source_error_in_bounded_time_then_recovers(
         Archive("s3://faults/persist.zip", endpoint_url=proxy.url, retry=policy, read_timeout=0.4) as remote,
         Archive(str(path)) as local,
     ):
-        for kind in ("503", "stall"):
+        # drip: every socket read gets bytes within the read timeout, so only a deadline on the
+        # whole body ends the read (without one it took as long as the server liked: forever).
+        for kind in ("503", "stall", "drip"):
             proxy.inject(kind, 1000)
             started = time.monotonic()
             with pytest.raises(SourceError, match="failed after"):

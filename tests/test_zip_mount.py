@@ -238,6 +238,7 @@ def test_cli_errors_are_one_line_and_leave_no_mount(tmp_path: Path, mnt: Path) -
         ("mount", "-f", str(good), str(mnt), "-o", "bogus"),  # libfuse refuses in the foreground
         ("ls", str(fifo)),  # opening a FIFO would wait for a writer forever
         ("ls", "--endpoint-url", "127.0.0.1:9", "s3://bucket/key.zip"),  # no scheme: botocore refuses
+        ("ls", "--read-deadline", "0", "s3://bucket/key.zip"),
         ("cat", str(good), "no/such/member"),
         ("umount", str(mnt)),
     ]

@@ -38,6 +38,7 @@ from cdmlfs.errors import SourceChangedError, SourceError, UsageError
 from cdmlfs.sources.base import SourceIdentity
 from cdmlfs.sources.blocks import BlockConfig, BlockLayer
 from cdmlfs.sources.retry import RetryPolicy
+from cdmlfs.sources.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,7 @@ class S3Object:
         self._client = None
         self._session = None
         self._changed: str | None = None
+        self._watchdog = Watchdog()
         self.requests = 0  # GET attempts, including retries and the opening one
         self.bytes_received = 0
         self.retries = 0
@@ -278,12 +280,13 @@ class S3Object:
     def _after_fork_child(self) -> None:
         self._client_lock = threading.Lock()
         self._client = None  # the parent's connection pool shares sockets with it
+        self._watchdog = Watchdog()  # its lock may have been held by the parent's thread
 
     # -- requests ----------------------------------------------------------------
     def _open(self, suffix: int) -> tuple[int, str, int, bytes]:
         """One suffix GET: size, ETag, and the object's last bytes (where formats look first)."""
 
-        def attempt():
+        def attempt(deadline: float):
             try:
                 resp = self._s3().get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes=-{suffix}")
             except Exception as exc:
@@ -314,7 +317,8 @@ class S3Object:
                             f"{self.location}: the server ignores Range requests (it sent all of "
                             f"{length} bytes); random access needs ranged GETs"
                         )
-                data = self._read_body(body, length)
+                with self._watchdog.guard(body, deadline):
+                    data = self._read_body(body, length)
             finally:
                 body.close()
             return size, etag, start, data
@@ -330,7 +334,8 @@ class S3Object:
                 crange = resp.get("ContentRange") or ""
                 if not crange.startswith("bytes 0-"):
                     return None
-                data = body.read()
+                with self._watchdog.guard(body, time.monotonic() + self.retry.deadline):
+                    data = body.read()
             finally:
                 body.close()
             self.requests += 1
@@ -363,7 +368,7 @@ class S3Object:
         n = end - start
         expect = f"bytes {start}-{end - 1}/{self.size}"
 
-        def attempt():
+        def attempt(deadline: float):
             try:
                 resp = self._s3().get_object(
                     Bucket=self.bucket, Key=self.key, Range=f"bytes={start}-{end - 1}", IfMatch=self.etag
@@ -389,7 +394,8 @@ class S3Object:
                 length = resp.get("ContentLength")
                 if length is not None and length != n:  # readinto stops at n: never accept more
                     raise _Transient(f"asked for {n} bytes, the reply says {length}")
-                return consume(body)
+                with self._watchdog.guard(body, deadline):  # a body dripping in never ends otherwise
+                    return consume(body)
             finally:
                 body.close()
 
@@ -437,13 +443,16 @@ class S3Object:
             raw.release_conn()  # (closing the body without this would drop the connection)
 
     def _with_retries(self, attempt, what: str):
+        """``attempt(deadline)`` until it succeeds or the policy gives up (the deadline is the
+        monotonic time by which the whole read must be over: the body of a reply too)."""
         policy = self.retry
         started = time.monotonic()
+        deadline = started + policy.deadline
         failures = 0
         while True:
             self.requests += 1
             try:
-                return attempt()
+                return attempt(deadline)
             except _Transient as exc:
                 failures += 1
                 pause = policy.next_delay(failures, started)
