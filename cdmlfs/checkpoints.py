@@ -151,6 +151,11 @@ class DeflateCheckpoints:
         """Number of intervals: ceil(size / spacing)."""
         return len(self._ends)
 
+    def interval_input(self, k: int) -> int:
+        """Compressed bytes a decode of interval ``k`` holds at most (reserve them with its output)."""
+        start = self._points[self._starts[k]][1] if self._points is not None else self._starts[k][1]
+        return self._ends[k] - start + 64
+
     def decode_interval(self, read_at: ReadAt, k: int) -> bytes:
         """Output bytes [k*spacing, min((k+1)*spacing, size)), inflating at most one interval."""
         if not 0 <= k < len(self._ends):

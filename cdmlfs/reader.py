@@ -247,7 +247,8 @@ class ExtentReader:
                     return self._read_member_with_crc(eid, offset, size, total)
                 return self._read_in_stream(ix.offset[eid] + offset, size)
             if method == DEFLATE:
-                if total <= self.whole_limit:
+                # Whole: the compressed bytes are in memory too (reserved below), so both are bounded.
+                if total <= self.whole_limit and ix.comp_size[eid] <= self.whole_limit:
                     return self._read_whole_deflate(eid, offset, size, total)
                 return self._read_checkpointed(eid, offset, size, total)
             if method in decoders.STREAM_METHODS:
@@ -322,7 +323,9 @@ class ExtentReader:
             ix = self.index
             start = self.fmt.data_offset(eid)
             comp = ix.comp_size[eid]
-            with cache.reserve(total) as room:
+            # The compressed member is read whole before it is inflated: that memory counts too
+            # (several threads inflating large, barely compressible members held ~a cache of it).
+            with cache.reserve(total + comp) as room:
                 if self._fd is not None:
                     data = inflate.read_deflated(self._fd, start, comp, total, ix.crc[eid])
                     self.bytes_direct += comp
@@ -388,7 +391,9 @@ class ExtentReader:
         ck = self._checkpoints(eid)
 
         def load(k: int) -> bytes:
-            with self.cache.reserve(min(ck.spacing, total - k * ck.spacing)) as room:
+            # Output and the compressed interval it is inflated from are in memory together.
+            need = min(ck.spacing, total - k * ck.spacing) + ck.interval_input(k)
+            with self.cache.reserve(min(need, self.cache.limit)) as room:
                 chunk = ck.decode_interval(self.source.read_at, k)
                 room.commit((eid, k), chunk)
             return chunk

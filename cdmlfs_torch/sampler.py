@@ -148,9 +148,10 @@ class ArchiveOrderSampler(Sampler[int]):
         for i in todo:
             self._handed_out += 1
             yield i
-        # A finished pass starts the next one from the beginning, resumed or not.
+        # A finished pass starts the next one from the beginning, resumed or not; until then,
+        # state_dict() says this epoch is done (a checkpoint taken now resumes at the next one).
         self.start_index = 0
-        self._handed_out = 0
+        self._handed_out = self.num_samples
 
     def __len__(self) -> int:
         return self.num_samples - self.start_index

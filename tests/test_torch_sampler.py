@@ -138,6 +138,13 @@ def test_state_dict_counts_handed_out_indices_and_rolls_over() -> None:
     assert taken + list(r) == list(ArchiveOrderSampler(range(20), window=4, seed=0))
     done = s.state_dict(consumed=20)
     assert (done["epoch"], done["start_index"]) == (1, 0)
+    # A whole pass, as a DataLoader makes it, then a checkpoint without ``consumed``: the next epoch.
+    whole = ArchiveOrderSampler(range(20), window=4, seed=0)
+    assert len(list(whole)) == 20
+    after = whole.state_dict()
+    assert (after["epoch"], after["start_index"]) == (1, 0)
+    again = list(whole)  # and iterating again (no set_epoch) is the same epoch, from the start
+    assert again == list(ArchiveOrderSampler(range(20), window=4, seed=0))
 
 
 def test_resume_refuses_a_changed_configuration() -> None:

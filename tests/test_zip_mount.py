@@ -391,6 +391,37 @@ def test_cache_bound_holds_while_reading_more_than_the_cache(tmp_path: Path, mnt
     assert peak_mib < cache_mib + 32, f"daemon grew by {peak_mib:.0f} MiB over its post-mount RSS"
 
 
+def test_cache_bound_holds_for_incompressible_members_read_by_many_threads(tmp_path: Path, mnt: Path) -> None:
+    """A deflated member is read whole before it is inflated: with members that barely compress, eight
+    threads used to hold a cache's worth of compressed bytes next to the cache (64 MiB cache: +130)."""
+    from mountutil import hwm_kib, rss_kib
+
+    rng = random.Random(12)
+    files = {f"r{i:02d}.bin": rng.randbytes(8 << 20) for i in range(10)}
+    archive = python_zip(tmp_path / "random.zip", files, zipfile.ZIP_DEFLATED)
+    cache_mib = 64
+    with mounted(archive, mnt, "--cache-size", f"{cache_mib}M", "--threads", "multi"):
+        pid = daemon_pid(mnt)
+        base_kib = rss_kib(pid)
+
+        def reader(seed: int) -> None:
+            names = list(files)
+            random.Random(seed).shuffle(names)
+            for n in names:
+                with open(mnt / n, "rb") as f:
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # the daemon serves each
+                    assert f.read() == files[n]
+
+        threads = [threading.Thread(target=reader, args=(s,)) for s in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        peak_mib = (hwm_kib(pid) - base_kib) / 1024
+    print(f"peak growth {peak_mib:.1f} MiB, cache {cache_mib} MiB")
+    assert peak_mib < cache_mib + 32, f"daemon grew by {peak_mib:.0f} MiB over its post-mount RSS"
+
+
 def test_c_and_python_paths_serve_the_same(both_paths: str, tmp_path: Path, mnt: Path) -> None:
     """The C getattr/read callbacks and the Python ones give identical trees, bytes and errors."""
     rng = random.Random(21)
