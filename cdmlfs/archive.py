@@ -19,8 +19,10 @@ from cdmlfs.reader import ExtentReader
 from cdmlfs.safe_write import check_inside, write_atomically
 from cdmlfs.sources import open_source
 from cdmlfs.sources.base import Source
+from cdmlfs.sources.s3 import S3_OPTIONS
 
 DEFAULT_CACHE_SIZE = 512 << 20
+OPTIONS = S3_OPTIONS | {"index_dir"}  # what Archive(**options) passes to sources and formats
 MAX_SYMLINK_HOPS = 40
 
 
@@ -35,11 +37,20 @@ class Archive:
 
     def __init__(
         self,
-        location: str | Source,
+        location: str | os.PathLike | Source,
         cache_size: int = DEFAULT_CACHE_SIZE,
         progress: Callable[[int, int], None] | None = None,
         **options,
     ) -> None:
+        unknown = set(options) - OPTIONS
+        if unknown:  # a misspelt option (endpoint= for endpoint_url=) must not be dropped silently
+            known = ", ".join(sorted(OPTIONS))
+            raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; known: {known}")
+        if isinstance(location, (str, bytes, os.PathLike)):
+            location = os.fsdecode(location)
+            if "://" not in location:  # a pickled Archive reopens it from any working directory
+                location = os.path.abspath(location)
+        self._closed = False
         self._location = location if isinstance(location, str) else None
         self._cache_size = cache_size
         self._options = options
@@ -72,6 +83,8 @@ class Archive:
             warm()
 
     def close(self) -> None:
+        self._closed = True
+        self.reader.close()  # reads after this fail: the file descriptor number may be reused
         self.cache.clear()
         self.source.close()
 
@@ -93,13 +106,18 @@ class Archive:
         return f"Archive({self.location!r}, format={self.format.name}, entries={len(self.index) - 1})"
 
     # -- paths ---------------------------------------------------------------
-    def _resolve(self, path: str, follow: bool = True) -> int:
-        """Entry id for ``path``, following symlinks inside the archive (never outside it)."""
+    def _resolve(self, path: str, follow: bool = True, hops: int = 0) -> int:
+        """Entry id for ``path``, following symlinks inside the archive (never outside it).
+
+        ``hops`` counts the links followed so far, through parent components too,
+        so a loop ends with "too many levels" instead of a RecursionError.
+        """
+        if self._closed:
+            raise ValueError("I/O operation on a closed archive")
         path = posixpath.normpath("/" + path).lstrip("/")
         if path == ".":
             path = ""
         index = self.index
-        hops = 0
         while True:
             eid = index.get(path)
             if eid is None:
@@ -129,7 +147,7 @@ class Archive:
                 nxt = self._join_link(nxt, self.reader.readlink(eid))
                 eid = index.get(nxt)
                 if eid is None or index.kind[eid] == SYMLINK:
-                    return self._resolve(nxt + "/" + "/".join(parts[i + 1 :]), True)
+                    return self._resolve(nxt + "/" + "/".join(parts[i + 1 :]), True, hops)
             cur = nxt
         eid = index.get(cur)
         if eid is None:
@@ -179,19 +197,25 @@ class Archive:
         return [self.index.stat(c) for c in self.index.children(eid)]
 
     def walk(self, top: str = "") -> Iterator[tuple[str, list[str], list[str]]]:
-        """Like ``os.walk`` (top-down, name order; symlinks to directories are not followed)."""
+        """Like ``os.walk``: top-down, in name order, paths from ``top`` as given; a symlink to a
+        directory is listed with the directories but not followed."""
         index = self.index
-        stack = [self._resolve(top)]
+        start = posixpath.normpath("/" + top).lstrip("/")
+        stack = [("" if start == "." else start, self._resolve(top))]
         while stack:
-            eid = stack.pop()
+            path, eid = stack.pop()
             dirs, files, subdirs = [], [], []
             for c in index.children(eid):
-                if index.kind[c] == DIR:
-                    dirs.append(index.name(c))
-                    subdirs.append(c)
+                name = index.name(c)
+                kind = index.kind[c]
+                if kind == DIR:
+                    dirs.append(name)
+                    subdirs.append((f"{path}/{name}" if path else name, c))
+                elif kind == SYMLINK and self.isdir(index.paths[c]):
+                    dirs.append(name)
                 else:
-                    files.append(index.name(c))
-            yield index.paths[eid], dirs, files
+                    files.append(name)
+            yield path, dirs, files
             stack.extend(reversed(subdirs))
 
     def files(self) -> list[str]:
@@ -217,6 +241,8 @@ class Archive:
     # -- data ----------------------------------------------------------------
     def read(self, path: str, offset: int = 0, size: int = -1) -> bytes:
         """Bytes of a file (following symlinks); ``size=-1`` reads to the end."""
+        if offset < 0:
+            raise ValueError(f"negative offset {offset}")
         eid = self._resolve(path)
         if self.index.kind[eid] == DIR:
             raise IsADirectoryError_(f"{path}: is a directory")
@@ -224,13 +250,18 @@ class Archive:
             size = self.index.size[self.index.data_entry(eid)] - offset
         return self.reader.read(eid, offset, size)
 
-    def open(self, path: str, buffering: int = 1 << 20) -> io.BufferedReader:
-        """A seekable binary file object over a member (reads go through the bounded cache)."""
+    def open(self, path: str, buffering: int = 1 << 20) -> io.BufferedReader | MemberFile:
+        """A seekable binary file object over a member (reads go through the bounded cache).
+
+        ``buffering`` as for ``open()``: 0 gives the raw, unbuffered file, -1 the default buffer.
+        """
         eid = self._resolve(path)
         if self.index.kind[eid] == DIR:
             raise IsADirectoryError_(f"{path}: is a directory")
         raw = MemberFile(self.reader, eid, self.index.paths[eid])
-        return io.BufferedReader(raw, buffer_size=buffering)
+        if buffering == 0:
+            return raw
+        return io.BufferedReader(raw, buffer_size=buffering if buffering > 0 else 1 << 20)
 
     def extract(self, path: str, dest_dir: str, chunk: int = 4 << 20) -> str:
         """Copy one entry (file, symlink or a whole directory) under ``dest_dir``; returns the output path."""
@@ -283,6 +314,8 @@ class MemberFile(io.RawIOBase):
         return True
 
     def tell(self) -> int:
+        if self.closed:
+            raise ValueError("I/O operation on closed file")
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:

@@ -84,13 +84,24 @@ class ArchiveFormat(Protocol):
 class _Forward:
     """A forward-only decoder positioned at ``pos`` of a member's output (``crc``: of bytes before it)."""
 
-    __slots__ = ("crc", "lock", "pos", "stream")
+    __slots__ = ("crc", "evicted", "lock", "pos", "stream")
 
     def __init__(self, stream) -> None:
         self.stream = stream
         self.pos = 0
         self.crc = 0
+        self.evicted = False  # dropped from the table while a reader used it: that reader closes it
         self.lock = threading.Lock()
+
+    def evict(self) -> None:
+        """Leave the table: closed now if idle, else by the reader using it (never under its feet)."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self.close()
+            finally:
+                self.lock.release()
+        else:
+            self.evicted = True
 
     def close(self) -> None:
         """Free the decoder (its window can be as large as the member, outside the cache)."""
@@ -127,6 +138,7 @@ class ExtentReader:
             self.stream, "member_bytes", None
         )
         self._source_read_into = getattr(fmt.source, "read_into", None)
+        self._closed = False
         if self.stream is not None and hasattr(self.stream, "bound_extents"):
             # A container extent (a whole zstd frame) is reserved in one piece: it must fit this cache.
             self.stream.bound_extents(self.whole_limit, self.extent_size, cache)
@@ -148,6 +160,17 @@ class ExtentReader:
         self._stored_crc = {}
 
     # -- public --------------------------------------------------------------
+    def close(self) -> None:
+        """Refuse every later read: the source's descriptor number may already belong to another file."""
+        self._closed = True
+        self._fd = None
+
+    def _check(self, offset: int) -> None:
+        if self._closed:
+            raise ValueError("I/O operation on a closed archive")
+        if offset < 0:
+            raise ValueError(f"negative offset {offset}")
+
     def read(self, eid: int, offset: int, size: int) -> bytes:
         """Up to ``size`` bytes of member ``eid`` at ``offset`` (short only at end of member)."""
         data = self.view(eid, offset, size)
@@ -160,6 +183,7 @@ class ExtentReader:
         too large for one) go straight from the source into ``out``: a positioned
         read for local files, the source's own ``read_into`` for remote ones.
         """
+        self._check(offset)
         ix = self.index
         if ix.hardlink_of:
             eid = ix.hardlink_of.get(eid, eid)
@@ -224,6 +248,7 @@ class ExtentReader:
 
     def view(self, eid: int, offset: int, size: int) -> bytes | memoryview:
         """Bytes or a memoryview into a cached extent (no copy); the caller must not keep it long."""
+        self._check(offset)
         ix = self.index
         if ix.hardlink_of:
             eid = ix.hardlink_of.get(eid, eid)
@@ -452,7 +477,7 @@ class ExtentReader:
             fw = self._forward.get(eid)
             if fw is None:
                 if len(self._forward) >= MAX_FORWARD:  # decoder states hold windows: keep only a few
-                    self._forward.pop(next(iter(self._forward))).close()
+                    self._forward.pop(next(iter(self._forward))).evict()
                 fw = self._forward[eid] = _Forward(None)
         with fw.lock:
             chunk = self.cache.peek((eid, k))
@@ -482,6 +507,8 @@ class ExtentReader:
                 fw.close()  # a failed decoder cannot go on from where it stopped
                 raise
             finally:
+                if fw.evicted:
+                    fw.close()
                 if fw.stream is None:
                     with self._lock:
                         if self._forward.get(eid) is fw:

@@ -36,6 +36,7 @@ def write_atomically(
     try:
         with os.fdopen(fd, "wb") as f:
             shutil.copyfileobj(src, f, chunk)
+            f.flush()  # the last bytes still buffered would be written after utime, and move the mtime
             os.fchmod(f.fileno(), mode)
             if mtime is not None:
                 os.utime(f.fileno(), (mtime, mtime))

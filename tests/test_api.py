@@ -280,3 +280,71 @@ def test_cli_ls_shows_a_dangling_symlink(tmp_path: Path) -> None:
         zf.writestr(link, "missing.png")
     res = run_cli("ls", "-l", str(z), "dog/broken.png", check=True)
     assert "dog/broken.png -> missing.png" in res.stdout.decode()
+
+
+def _links_zip(path: Path, links: dict[str, str], files: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, target in links.items():
+            info = zipfile.ZipInfo(name)
+            info.external_attr = (0o120777 << 16) | 0x20
+            info.create_system = 3
+            zf.writestr(info, target)
+        for name, data in files.items():
+            zf.writestr(name, data)
+    return path
+
+
+def test_api_behaves_like_python_files_and_zipfile(archive: Path, tmp_path: Path, monkeypatch) -> None:
+    """Path-like locations, negative offsets, buffering, closed files and archives, misspelt options."""
+    files = sample_files()
+    with cdmlfs.open(archive) as ar:  # a pathlib.Path, as zipfile and tarfile take
+        assert ar.read("readme.txt") == files["readme.txt"]
+        with pytest.raises(ValueError, match="negative offset"):
+            ar.read("readme.txt", -5, 3)  # was the member's tail (Python slicing) or a tar header
+        with ar.open("readme.txt", buffering=0) as raw:  # 0: the raw file, as open() gives
+            assert raw.read(4) == files["readme.txt"][:4]
+        with ar.open("readme.txt", buffering=-1) as f:
+            assert f.read() == files["readme.txt"]
+        f = ar.open("readme.txt", buffering=0)
+        f.close()
+        with pytest.raises(ValueError):
+            f.tell()
+        kept = ar.open("data/random.bin")
+    with pytest.raises(ValueError, match="closed archive"):
+        ar.read("readme.txt")
+    with pytest.raises(ValueError, match="closed archive"):
+        kept.read(10)  # its descriptor number may belong to another file by now
+    with pytest.raises(TypeError, match="cache_sise"):
+        cdmlfs.open(str(archive), cache_sise=1 << 20)
+    # A relative location pickles as an absolute one: the worker may start elsewhere.
+    monkeypatch.chdir(archive.parent)
+    with cdmlfs.open(archive.name) as ar:
+        blob = pickle.dumps(ar)
+    monkeypatch.chdir(tmp_path.parent)
+    with pickle.loads(blob) as again:
+        assert again.read("one_byte") == b"x"
+
+
+def test_symlink_loops_through_parents_and_walk_like_os_walk(tmp_path: Path) -> None:
+    z = _links_zip(tmp_path / "links.zip", {"a": "b/x", "b": "a/y", "d/dlink": "sub"}, {"d/sub/f.txt": b"f"})
+    with cdmlfs.open(str(z)) as ar:
+        with pytest.raises(NotFoundError, match="too many levels"):
+            ar.stat("a/q")  # a RecursionError before
+        assert not ar.exists("a/q") and not ar.isdir("a")
+        walked = {d: (ds, fs) for d, ds, fs in ar.walk("d")}
+        assert walked == {"d": (["dlink", "sub"], []), "d/sub": ([], ["f.txt"])}  # the link: not followed
+        assert [d for d, _, _ in ar.walk("d/dlink")] == ["d/dlink"]
+
+
+def test_extract_keeps_the_mtime_of_small_files(tmp_path: Path) -> None:
+    """The last bytes of a file were flushed after its mtime was set, which moved it to now."""
+    z = tmp_path / "t.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        for name, size in (("small.txt", 120), ("tail.bin", (4 << 20) + 100)):
+            info = zipfile.ZipInfo(name, date_time=(2001, 2, 3, 4, 5, 6))
+            zf.writestr(info, b"s" * size)
+    with cdmlfs.open(str(z)) as ar:
+        want = ar.stat("small.txt").mtime
+        for name in ("small.txt", "tail.bin"):
+            out = ar.extract(name, str(tmp_path / "x"))
+            assert os.stat(out).st_mtime == want, name

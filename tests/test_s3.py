@@ -366,3 +366,15 @@ def test_packed_tar_zst_on_s3_serves_early_members_through_the_source(localbucke
         for name in names:
             assert ar.read(name) == (src / name).read_bytes()
         assert worker.early_frames >= 2
+
+
+def test_one_deadline_thread_per_process(moto_s3, tmp_path: Path) -> None:
+    """The body watchdog is shared: opening and closing archives does not leave a thread each."""
+    import threading
+
+    path = _small_zip(tmp_path, "w.zip")
+    moto_s3.put("deadlines", "w.zip", path)
+    for _ in range(5):
+        with Archive("s3://deadlines/w.zip", endpoint_url=moto_s3.url) as remote:
+            assert remote.read("big/stored.bin", 0, 10)
+    assert sum(t.name == "cdmlfs-deadlines" for t in threading.enumerate()) <= 1

@@ -443,3 +443,52 @@ def test_frames_too_large_for_one_decode_still_check_member_crcs(
         with pytest.raises(OSError) as exc:
             (mnt / "f1.bin").read_bytes()
         assert exc.value.errno == errno.EIO
+
+
+SERVE_WITH_A_WRONG_CRC = r"""
+import sys
+from cdmlfs.archive import Archive
+from cdmlfs.daemon import ServeOptions, serve
+archive, mountpoint, index_dir, member = sys.argv[1:5]
+ar = Archive(archive, cache_size=64 << 20, index_dir=index_dir)
+ar.index.crc[ar.index.get(member)] ^= 1  # the member table disagrees with the frame's bytes
+serve(ar, ServeOptions(mountpoint=mountpoint, threads="single"))
+"""
+
+
+@pytest.mark.fuse
+def test_c_path_refuses_a_member_whose_own_crc_failed(
+    packed: Path, src: Path, tmp_path: Path, mnt: Path
+) -> None:
+    """A packed member whose CRC fails while its frame is sound: the frame is handed to the C path
+    (it serves the frame's other members), but not that member, on any later read either."""
+    import subprocess
+    import sys
+
+    with Archive(str(packed), index_dir=str(tmp_path / "idx")) as ar:
+        victim, neighbour = ar.archive_order()[:2]  # the first two members: one 1 MiB frame
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE_WITH_A_WRONG_CRC, str(packed), str(mnt), str(tmp_path / "idx"), victim],
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not is_mounted(mnt):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
+            time.sleep(0.05)
+        with pytest.raises(OSError) as exc:
+            (mnt / victim).read_bytes()
+        assert exc.value.errno == errno.EIO
+        time.sleep(0.5)  # the frame is finished in the background and cached
+        assert (mnt / neighbour).read_bytes() == (src / neighbour).read_bytes()  # hands the frame to C
+        assert mount_stats(mnt)["fast_path"]["hot_extents"] >= 1
+        for _ in range(2):
+            with pytest.raises(OSError) as exc:
+                (mnt / victim).read_bytes()
+            assert exc.value.errno == errno.EIO
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()

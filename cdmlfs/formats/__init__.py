@@ -40,4 +40,4 @@ def _sniffers():
     def zip_at_start(head: bytes, tail: bytes) -> bool:
         return head[:4] == b"PK\x03\x04"
 
-    return [(zip_at_start, open_zip), *tarfmt.SNIFFERS, (zipfmt.is_zip, open_zip)]
+    return [(zip_at_start, open_zip), *tarfmt.SNIFFERS, (zipfmt.is_zip, open_zip), *tarfmt.LAST_SNIFFERS]

@@ -101,7 +101,12 @@ def open_tar(source: Source, progress=None, index_dir=None, **_) -> TarFormat:
     return TarFormat(source, compressed=False, progress=progress, index_dir=index_dir)
 
 
+def _is_empty_tar(head: bytes, tail: bytes) -> bool:
+    return th.looks_like_empty_tar(head)
+
+
 SNIFFERS = [(_is_tar_zst, open_tar_zst), (_is_tar, open_tar)]
+LAST_SNIFFERS = [(_is_empty_tar, open_tar)]  # after the ZIP tail check (see looks_like_empty_tar)
 
 
 # -- the scan --------------------------------------------------------------------------

@@ -90,16 +90,19 @@ def checksum_ok(block: bytes) -> bool:
 
 
 def looks_like_tar(head: bytes) -> bool:
-    """Sniffing: a first block with a valid checksum (and a ustar magic, or a sane v7 name), or
-    the two zero blocks of an empty archive (``tar cf empty.tar -T /dev/null``)."""
+    """Sniffing: a first block with a valid checksum (and a ustar magic, or a sane v7 name)."""
     if len(head) < BLOCK:
         return False
     block = head[:BLOCK]
-    if block == ZERO_BLOCK:
-        return len(head) >= 2 * BLOCK and head[BLOCK : 2 * BLOCK] == ZERO_BLOCK
-    if not checksum_ok(block):
+    if block == ZERO_BLOCK or not checksum_ok(block):
         return False
     return block[257:262] == b"ustar" or bool(_cstr(block[:100]))
+
+
+def looks_like_empty_tar(head: bytes) -> bool:
+    """The two zero blocks of an empty archive (``tar cf empty.tar -T /dev/null``). Sniffed last:
+    a ZIP behind a run of zero bytes starts the same way."""
+    return len(head) >= 2 * BLOCK and head[: 2 * BLOCK] == ZERO_BLOCK * 2
 
 
 def parse_header(block: bytes) -> RawHeader:

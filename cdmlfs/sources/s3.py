@@ -38,7 +38,7 @@ from cdmlfs.errors import SourceChangedError, SourceError, UsageError
 from cdmlfs.sources.base import SourceIdentity
 from cdmlfs.sources.blocks import BlockConfig, BlockLayer
 from cdmlfs.sources.retry import RetryPolicy
-from cdmlfs.sources.watchdog import Watchdog
+from cdmlfs.sources.watchdog import WATCHDOG
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class S3Object:
         self._client = None
         self._session = None
         self._changed: str | None = None
-        self._watchdog = Watchdog()
+        self._watchdog = WATCHDOG
         self.requests = 0  # GET attempts, including retries and the opening one
         self.bytes_received = 0
         self.retries = 0
@@ -280,7 +280,6 @@ class S3Object:
     def _after_fork_child(self) -> None:
         self._client_lock = threading.Lock()
         self._client = None  # the parent's connection pool shares sockets with it
-        self._watchdog = Watchdog()  # its lock may have been held by the parent's thread
 
     # -- requests ----------------------------------------------------------------
     def _open(self, suffix: int) -> tuple[int, str, int, bytes]:

@@ -38,15 +38,20 @@ def body_socket(body: object) -> socket.socket | None:
 
 
 class Watchdog:
-    """Shuts down registered sockets at their deadlines (one lazily started thread per process)."""
+    """Shuts down registered sockets at their deadlines (one lazily started thread per process:
+    use :data:`WATCHDOG`)."""
 
     def __init__(self) -> None:
+        self._ids = itertools.count()
+        self.expired = 0  # bodies cut off at their deadline (for stats and tests)
+        self._reset()
+
+    def _reset(self) -> None:
+        """Fresh state (also in a forked child: the parent's thread and its lock stay behind)."""
         self._cv = threading.Condition()
         self._heap: list[tuple[float, int]] = []
         self._live: dict[int, socket.socket] = {}
-        self._ids = itertools.count()
         self._pid = 0
-        self.expired = 0  # bodies cut off at their deadline (for stats and tests)
 
     @contextlib.contextmanager
     def guard(self, body: object, deadline: float) -> Iterator[None]:
@@ -94,3 +99,7 @@ class Watchdog:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
                 log.debug("cut off a reply body still arriving at its deadline")
+
+
+WATCHDOG = Watchdog()
+os.register_at_fork(after_in_child=WATCHDOG._reset)
