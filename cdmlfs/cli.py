@@ -14,6 +14,7 @@ import re
 import stat as statmod
 import sys
 import time
+from collections.abc import Callable
 
 from cdmlfs import __version__, fuseloop
 from cdmlfs.errors import CdmlfsError, NotFoundError, UsageError
@@ -33,24 +34,23 @@ def parse_size(text: str) -> int:
     return int(number * (1024**power))
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 1 <= value <= 86400:
-        raise argparse.ArgumentTypeError(f"invalid time {text!r} (seconds, 1 to 86400)")
-    return value
+def _number_in(cast: Callable[[str], float], low: float, high: float, what: str) -> Callable[[str], float]:
+    """An argparse type: ``cast(text)`` within [low, high], else a one-line error saying ``what``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = cast(text)
+        except ValueError:
+            value = low - 1
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"invalid {what} {text!r} ({low:.0f} to {high:.0f})")
+        return value
+
+    return parse
 
 
-def _poll_us(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 1_000_000:
-        raise argparse.ArgumentTypeError(f"invalid poll time {text!r} (microseconds, 0 to 1000000)")
-    return value
+_seconds = _number_in(float, 1, 86400, "time in seconds")
+_poll_us = _number_in(int, 0, 1_000_000, "poll time in microseconds")
 
 
 def parse_fuse_options(values: list[str]) -> dict[str, str | bool]:

@@ -354,9 +354,35 @@ def test_foreground_mode_serves_and_stops_on_sigint(tmp_path: Path, mnt: Path) -
             proc.kill()
 
 
-def test_cache_bound_holds_while_reading_more_than_the_cache(tmp_path: Path, mnt: Path) -> None:
+def _peak_growth_mib(
+    archive: Path, mnt: Path, files: dict[str, bytes], cache_mib: int, readers: int
+) -> float:
+    """Mount multithreaded, read every file in ``readers`` threads (each in its own shuffled order, the
+    kernel's cached pages dropped first so the daemon serves every read), return the daemon's peak RSS
+    growth over its RSS right after mounting (interpreter + index)."""
     from mountutil import hwm_kib, rss_kib
 
+    with mounted(archive, mnt, "--cache-size", f"{cache_mib}M", "--threads", "multi"):
+        pid = daemon_pid(mnt)
+        base_kib = rss_kib(pid)
+
+        def reader(seed: int) -> None:
+            names = list(files)
+            random.Random(seed).shuffle(names)
+            for n in names:
+                with open(mnt / n, "rb") as f:
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                    assert f.read() == files[n]
+
+        threads = [threading.Thread(target=reader, args=(s,)) for s in range(readers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return (hwm_kib(pid) - base_kib) / 1024
+
+
+def test_cache_bound_holds_while_reading_more_than_the_cache(tmp_path: Path, mnt: Path) -> None:
     rng = random.Random(11)
     base = text_bytes(4 << 20, 1)
     # Distinct members (a different rotation each) of 1-4 MiB: decoded, they add up to 5x the cache.
@@ -369,23 +395,7 @@ def test_cache_bound_holds_while_reading_more_than_the_cache(tmp_path: Path, mnt
     total = sum(len(v) for v in files.values())
     cache_mib = 16
     assert total > 4 * (cache_mib << 20)
-    with mounted(archive, mnt, "--cache-size", f"{cache_mib}M", "--threads", "multi"):
-        pid = daemon_pid(mnt)
-        base_kib = rss_kib(pid)  # interpreter + index after mounting
-
-        def reader(seed: int) -> None:
-            names = list(files)
-            random.Random(seed).shuffle(names)
-            for n in names:
-                with open(mnt / n, "rb") as f:
-                    assert f.read() == files[n]
-
-        threads = [threading.Thread(target=reader, args=(s,)) for s in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        peak_mib = (hwm_kib(pid) - base_kib) / 1024
+    peak_mib = _peak_growth_mib(archive, mnt, files, cache_mib, readers=4)
     # Bound: cache + one in-flight member per serving thread + small constant.
     print(f"peak growth {peak_mib:.1f} MiB, cache {cache_mib} MiB, decoded {total >> 20} MiB")
     assert peak_mib < cache_mib + 32, f"daemon grew by {peak_mib:.0f} MiB over its post-mount RSS"
@@ -394,30 +404,11 @@ def test_cache_bound_holds_while_reading_more_than_the_cache(tmp_path: Path, mnt
 def test_cache_bound_holds_for_incompressible_members_read_by_many_threads(tmp_path: Path, mnt: Path) -> None:
     """A deflated member is read whole before it is inflated: with members that barely compress, eight
     threads used to hold a cache's worth of compressed bytes next to the cache (64 MiB cache: +130)."""
-    from mountutil import hwm_kib, rss_kib
-
     rng = random.Random(12)
     files = {f"r{i:02d}.bin": rng.randbytes(8 << 20) for i in range(10)}
     archive = python_zip(tmp_path / "random.zip", files, zipfile.ZIP_DEFLATED)
     cache_mib = 64
-    with mounted(archive, mnt, "--cache-size", f"{cache_mib}M", "--threads", "multi"):
-        pid = daemon_pid(mnt)
-        base_kib = rss_kib(pid)
-
-        def reader(seed: int) -> None:
-            names = list(files)
-            random.Random(seed).shuffle(names)
-            for n in names:
-                with open(mnt / n, "rb") as f:
-                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # the daemon serves each
-                    assert f.read() == files[n]
-
-        threads = [threading.Thread(target=reader, args=(s,)) for s in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        peak_mib = (hwm_kib(pid) - base_kib) / 1024
+    peak_mib = _peak_growth_mib(archive, mnt, files, cache_mib, readers=8)
     print(f"peak growth {peak_mib:.1f} MiB, cache {cache_mib} MiB")
     assert peak_mib < cache_mib + 32, f"daemon grew by {peak_mib:.0f} MiB over its post-mount RSS"
 
