@@ -559,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except KeyboardInterrupt:
+        print("cdmlfs: interrupted", file=sys.stderr)
         return 130
     except OSError as exc:
         if args.verbose:

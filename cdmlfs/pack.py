@@ -110,45 +110,53 @@ def _file_chunks(path: str, size: int) -> Callable[[], Iterator[bytes]]:
     return chunks
 
 
-def entries_from_directory(root: str) -> list[PackEntry]:
-    """Everything under ``root`` (not root itself), parents before children, names sorted."""
+def _sorted_entries(path: str) -> Iterator[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return iter(sorted(it, key=lambda e: e.name))
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot list directory ({exc.strerror})") from None
+
+
+def entries_from_directory(root: str, skip: str | None = None) -> list[PackEntry]:
+    """Everything under ``root`` (not root itself), names sorted, each directory followed by its
+    whole subtree (GNU tar's order: ``tar -x`` sets a directory's mtime once it leaves it, so
+    nothing written into it afterwards moves that mtime). ``skip``: a path not to pack (the output)."""
     root = os.path.abspath(root)
     out: list[PackEntry] = []
     seen_inodes: dict[tuple[int, int], str] = {}
     skipped = 0
-    stack = [("", root)]
+    stack = [("", _sorted_entries(root))]
     while stack:
-        rel_dir, abs_dir = stack.pop()
-        try:
-            with os.scandir(abs_dir) as it:
-                items = sorted(it, key=lambda e: e.name)
-        except OSError as exc:
-            raise UsageError(f"{abs_dir}: cannot list directory ({exc.strerror})") from None
-        subdirs = []
-        for item in items:
-            rel = f"{rel_dir}/{item.name}" if rel_dir else item.name
-            st = item.stat(follow_symlinks=False)
-            mode = st.st_mode
-            common = {"mode": statmod.S_IMODE(mode), "mtime": st.st_mtime, "uid": st.st_uid, "gid": st.st_gid}
-            if statmod.S_ISDIR(mode):
-                out.append(PackEntry(rel, DIR, **common))
-                subdirs.append((rel, item.path))
-            elif statmod.S_ISLNK(mode):
-                out.append(PackEntry(rel, SYMLINK, link=os.readlink(item.path), **common))
-            elif statmod.S_ISREG(mode):
-                key = (st.st_dev, st.st_ino)
-                first = seen_inodes.get(key) if st.st_nlink > 1 else None
-                chunks = _file_chunks(item.path, st.st_size)
-                if first is not None:
-                    out.append(PackEntry(rel, HARDLINK, size=st.st_size, link=first, read=chunks, **common))
-                else:
-                    if st.st_nlink > 1:
-                        seen_inodes[key] = rel
-                    out.append(PackEntry(rel, FILE, size=st.st_size, read=chunks, **common))
+        rel_dir, items = stack[-1]
+        item = next(items, None)
+        if item is None:
+            stack.pop()
+            continue
+        rel = f"{rel_dir}/{item.name}" if rel_dir else item.name
+        if skip is not None and item.path == skip:
+            continue
+        st = item.stat(follow_symlinks=False)
+        mode = st.st_mode
+        common = {"mode": statmod.S_IMODE(mode), "mtime": st.st_mtime, "uid": st.st_uid, "gid": st.st_gid}
+        if statmod.S_ISDIR(mode):
+            out.append(PackEntry(rel, DIR, **common))
+            stack.append((rel, _sorted_entries(item.path)))
+        elif statmod.S_ISLNK(mode):
+            out.append(PackEntry(rel, SYMLINK, link=os.readlink(item.path), **common))
+        elif statmod.S_ISREG(mode):
+            key = (st.st_dev, st.st_ino)
+            first = seen_inodes.get(key) if st.st_nlink > 1 else None
+            chunks = _file_chunks(item.path, st.st_size)
+            if first is not None:
+                out.append(PackEntry(rel, HARDLINK, size=st.st_size, link=first, read=chunks, **common))
             else:
-                skipped += 1
-                log.warning("skipping %s: sockets, devices and FIFOs are not packed", item.path)
-        stack.extend(reversed(subdirs))
+                if st.st_nlink > 1:
+                    seen_inodes[key] = rel
+                out.append(PackEntry(rel, FILE, size=st.st_size, read=chunks, **common))
+        else:
+            skipped += 1
+            log.warning("skipping %s: sockets, devices and FIFOs are not packed", item.path)
     if skipped:
         log.warning("skipped %d special files", skipped)
     return out
@@ -455,6 +463,15 @@ def output_kind(path: str) -> str:
     raise UsageError(f"{path}: output must end in .tar.zst, .tzst, .tar or .zip")
 
 
+def _inside(src: str, out: str) -> str:
+    """``out``'s path relative to the directory ``src`` when it lies inside it, else ''."""
+    real_src = os.path.realpath(src)
+    real_out = os.path.realpath(out)
+    return (
+        os.path.relpath(real_out, real_src) if real_out.startswith(real_src.rstrip(os.sep) + os.sep) else ""
+    )
+
+
 def pack(
     src: str,
     out: str,
@@ -469,6 +486,9 @@ def pack(
     kind = output_kind(out)
     if not 4096 <= frame_size <= MAX_FRAME_SIZE:
         raise UsageError("--frame-size must be between 4K and 1G")
+    low, high = (-1, 9) if kind == "zip" else (-(1 << 17), 22)  # deflate; zstd (negative: fast modes)
+    if level is not None and not low <= level <= high:
+        raise UsageError(f"--level must be between {low} and {high} for {kind} output")
     if os.path.lexists(out) and not force:
         raise UsageError(f"{out}: already exists (use --force to overwrite)")
     remote = "://" in src  # an archive URI (s3://...): opened like any archive
@@ -480,7 +500,8 @@ def pack(
     archive = None
     try:
         if not remote and os.path.isdir(src):
-            entries = entries_from_directory(src)
+            # An output inside the directory (overwritten with --force) is not packed into itself.
+            entries = entries_from_directory(src, skip=os.path.join(os.path.abspath(src), _inside(src, out)))
         else:
             from cdmlfs.archive import Archive
 
@@ -491,7 +512,11 @@ def pack(
         tmp = os.path.join(directory, f".{os.path.basename(out)}.partial-{os.getpid()}")
         started = time.monotonic()
         try:
-            with open(tmp, "wb") as f:
+            try:
+                f = open(tmp, "wb")  # noqa: SIM115 - closed by the with below
+            except OSError as exc:  # name what the user asked for, not our temporary file
+                raise UsageError(f"{out}: cannot write it ({exc.strerror})") from None
+            with f:
                 if kind == "zip":
                     write_zip(entries, f, DEFAULT_DEFLATE_LEVEL if level is None else level, progress, total)
                     frames = 0

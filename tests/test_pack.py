@@ -109,3 +109,44 @@ def test_unknown_output_format_is_a_usage_error(src: Path, tmp_path: Path, bad: 
     res = run_cli("pack", str(src), str(tmp_path / bad))
     assert res.returncode == 2
     assert b".tar.zst" in res.stderr
+
+
+def test_directory_mtimes_survive_plain_tar_x(tmp_path: Path) -> None:
+    """Each directory is followed by its whole subtree (GNU tar's order): tar -x sets a directory's
+    mtime when it leaves it, so files written into it later used to move it to the time of extraction."""
+    import subprocess
+
+    src = tmp_path / "src"
+    for rel in ("a/b", "a/c", "x"):
+        (src / rel).mkdir(parents=True)
+    for rel in ("a/f.txt", "a/b/g.txt", "a/c/h.txt", "x/i.txt", "top.txt"):
+        (src / rel).write_bytes(rel.encode())
+    when = 946684800  # 2000-01-01
+    for d in ("a/b", "a/c", "a", "x"):
+        os.utime(src / d, (when, when))
+    packed = cdmlfs_pack(src, tmp_path / "d.tar.zst")
+    out = tmp_path / "out"
+    out.mkdir()
+    subprocess.run(["tar", "--zstd", "-xf", str(packed), "-C", str(out)], check=True)
+    for d in ("a", "a/b", "a/c", "x"):
+        assert int((out / d).stat().st_mtime) == when, d
+
+
+def test_pack_refusals_and_errors_are_one_line(src: Path, tmp_path: Path) -> None:
+    for args, says in (
+        (("--level", "99", str(src), str(tmp_path / "o.tar.zst")), b"--level"),
+        (("--level", "10", str(src), str(tmp_path / "o.zip")), b"--level"),
+        ((str(src), str(tmp_path / "missing-dir" / "o.tar")), b"o.tar: cannot write"),
+    ):
+        res = run_cli("pack", "-q", *args)
+        err = res.stderr.decode().strip()
+        assert res.returncode != 0 and says.decode() in err and len(err.splitlines()) == 1, (args, err)
+    # An output inside the directory being packed is never packed into itself (with --force twice).
+    inner = tmp_path / "inner"
+    (inner / "d").mkdir(parents=True)
+    (inner / "d" / "f.txt").write_bytes(b"f")
+    out = inner / "self.tar.zst"
+    for _ in range(2):
+        cdmlfs_pack(inner, out, "--force")
+    with Archive(str(out), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.files() == ["d/f.txt"]
