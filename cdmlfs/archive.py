@@ -50,7 +50,6 @@ class Archive:
             location = os.fsdecode(location)
             if "://" not in location:  # a pickled Archive reopens it from any working directory
                 location = os.path.abspath(location)
-        self._closed = False
         self._location = location if isinstance(location, str) else None
         self._cache_size = cache_size
         self._options = options
@@ -83,7 +82,6 @@ class Archive:
             warm()
 
     def close(self) -> None:
-        self._closed = True
         self.reader.close()  # reads after this fail: the file descriptor number may be reused
         self.cache.clear()
         self.source.close()
@@ -112,7 +110,7 @@ class Archive:
         ``hops`` counts the links followed so far, through parent components too,
         so a loop ends with "too many levels" instead of a RecursionError.
         """
-        if self._closed:
+        if self.reader.closed:
             raise ValueError("I/O operation on a closed archive")
         path = posixpath.normpath("/" + path).lstrip("/")
         if path == ".":

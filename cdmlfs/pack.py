@@ -55,6 +55,7 @@ from cdmlfs.formats import tarheader as th
 from cdmlfs.formats.tar import EMBEDDED_INDEX_NIBBLE, encode_embedded_index
 from cdmlfs.formats.tarmembers import HARDLINK, MemberTable
 from cdmlfs.index import DIR, FILE, SYMLINK
+from cdmlfs.safe_write import is_under
 from cdmlfs.zstd_seekable import seek_table_frame, skippable_frame
 
 log = logging.getLogger(__name__)
@@ -467,9 +468,9 @@ def _inside(src: str, out: str) -> str:
     """``out``'s path relative to the directory ``src`` when it lies inside it, else ''."""
     real_src = os.path.realpath(src)
     real_out = os.path.realpath(out)
-    return (
-        os.path.relpath(real_out, real_src) if real_out.startswith(real_src.rstrip(os.sep) + os.sep) else ""
-    )
+    if real_out == real_src or not is_under(real_src, real_out):
+        return ""
+    return os.path.relpath(real_out, real_src)
 
 
 def pack(

@@ -160,6 +160,10 @@ class ExtentReader:
         self._stored_crc = {}
 
     # -- public --------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """Refuse every later read: the source's descriptor number may already belong to another file."""
         self._closed = True
@@ -309,6 +313,14 @@ class ExtentReader:
                 f"{ix.comp_size[eid]} compressed bytes)",
                 ix.paths[eid],
             )
+
+    def _verify_crc(self, eid: int, data) -> None:
+        """Check a whole member's bytes against its CRC: VERIFIED, or CORRUPT and raise."""
+        try:
+            _check_crc(data, self.index.crc[eid])
+        except CorruptMemberError as exc:
+            self._mark_corrupt(eid, str(exc))
+        self._verified[eid] = VERIFIED
 
     def _mark_corrupt(self, eid: int, reason: str) -> None:
         """Remember that member ``eid`` failed a check, and raise: later reads fail the same way."""
@@ -546,11 +558,7 @@ class ExtentReader:
         if self._verified[eid] == VERIFIED or total > self.whole_limit:
             return self._read_in_stream(start + offset, size, checked=False)
         whole = self._read_in_stream(start, total, checked=False)
-        try:
-            _check_crc(whole, self.index.crc[eid])
-        except CorruptMemberError as exc:
-            self._mark_corrupt(eid, str(exc))
-        self._verified[eid] = VERIFIED
+        self._verify_crc(eid, whole)
         return _view(whole, offset, offset + size)
 
     def _read_checked_member(self, eid: int, offset: int, size: int, total: int) -> memoryview | None:
@@ -559,11 +567,7 @@ class ExtentReader:
         if whole is None:
             return None
         if self._verified[eid] != VERIFIED:
-            try:
-                _check_crc(whole, self.index.crc[eid])
-            except CorruptMemberError as exc:
-                self._mark_corrupt(eid, str(exc))
-            self._verified[eid] = VERIFIED
+            self._verify_crc(eid, whole)
         return whole[offset : offset + size]
 
     def _read_in_stream(self, offset: int, size: int, checked: bool = True) -> bytes:

@@ -21,10 +21,15 @@ from typing import BinaryIO
 from cdmlfs.errors import UsageError
 
 
+def is_under(root: str, path: str) -> bool:
+    """``path`` is ``root`` or below it (both already resolved with realpath)."""
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
 def check_inside(root: str, out: str) -> None:
     """Refuse ``out`` when its directory resolves outside ``root`` (a realpath), e.g. through a symlink."""
     where = os.path.realpath(os.path.dirname(out) or ".")
-    if where != root and not where.startswith(root.rstrip(os.sep) + os.sep):
+    if not is_under(root, where):
         raise UsageError(f"refusing to write {out}: its directory resolves to {where}, outside {root}")
 
 

@@ -400,7 +400,7 @@ def test_reader_waiting_on_a_span_dropped_behind_still_gets_its_bytes() -> None:
     with layer._lock:  # what the leader's drop-behind does to it
         layer._remove(span)
         layer.cache.pop(span.key)
-    pieces = layer._collect(lo, hi, [], [], [(span, taken)])
+    pieces = layer._collect([], [(span, taken)])
     out = bytearray(hi - lo)
     blocks._copy_into(pieces, lo, memoryview(out))
     assert out == data[lo:hi]

@@ -176,7 +176,7 @@ class BlockLayer:
         self._submit([span for span, _ in own])
         if ahead is not None:  # queue the prefetch before waiting: it overlaps with our own requests
             self._prefetch(ahead[0], ahead[1], stream)
-        pieces = self._collect(offset, offset + length, pieces, own, waits)
+        pieces = self._collect(pieces, own + waits)
         if stream.prefetched:
             self._drop_behind(stream)
         return pieces
@@ -214,10 +214,9 @@ class BlockLayer:
             for span in own:
                 pool.submit(self._run_foreground, span)
 
-    def _collect(
-        self, offset: int, end: int, pieces: list, own: list[_Waiter], waits: list[_Waiter]
-    ) -> list[tuple[int, bytes]]:
-        """Wait for our requests and the ones we share: all pieces that cover [offset, end).
+    @staticmethod
+    def _collect(pieces: list, waiters: list[_Waiter]) -> list[tuple[int, bytes]]:
+        """Wait for our requests and the ones we share: with ``pieces``, all that cover the read.
 
         The futures were taken when the read was planned: a span lets go of its
         future once settled (so bytes the cache evicts are not kept alive by the
@@ -227,13 +226,11 @@ class BlockLayer:
         the reads that waited for it, prefetch or not: retrying here would give
         those reads a second full budget.
         """
-        for span, fut in own:
-            pieces.append((span.start, fut.result()))
-        for span, fut in waits:
+        for span, fut in waiters:
             pieces.append((span.start, fut.result()))
         return pieces
 
-    def _plan(self, offset: int, end: int, expand: int) -> tuple[list, list[_Span], list[_Span]]:
+    def _plan(self, offset: int, end: int, expand: int) -> tuple[list, list[_Waiter], list[_Waiter]]:
         """Under the lock: what is cached, what is in flight, and register fetches for the rest."""
         pieces: list[tuple[int, bytes]] = []
         waits: list[_Waiter] = []
