@@ -457,11 +457,13 @@ serve(ar, ServeOptions(mountpoint=mountpoint, threads="single"))
 
 
 @pytest.mark.fuse
+@pytest.mark.parametrize("neighbour_first", [False, True], ids=["victim-first", "neighbour-first"])
 def test_c_path_refuses_a_member_whose_own_crc_failed(
-    packed: Path, src: Path, tmp_path: Path, mnt: Path
+    packed: Path, src: Path, tmp_path: Path, mnt: Path, neighbour_first: bool
 ) -> None:
     """A packed member whose CRC fails while its frame is sound: the frame is handed to the C path
-    (it serves the frame's other members), but not that member, on any later read either."""
+    (it serves the frame's other members), but not that member, on any later read either. Read
+    after a neighbour put the frame in C, the member is checked there before its first byte."""
     import subprocess
     import sys
 
@@ -476,6 +478,16 @@ def test_c_path_refuses_a_member_whose_own_crc_failed(
         while not is_mounted(mnt):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
             time.sleep(0.05)
+        if neighbour_first:
+            assert (mnt / neighbour).read_bytes() == (src / neighbour).read_bytes()
+            time.sleep(0.5)  # the frame is finished in the background and cached
+            fd = os.open(mnt / neighbour, os.O_RDONLY)
+            try:  # drop its page cache: the next read reaches the daemon, which hands the frame to C
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                assert os.pread(fd, 4096, 0) == (src / neighbour).read_bytes()[:4096]
+            finally:
+                os.close(fd)
+            assert mount_stats(mnt)["fast_path"]["hot_extents"] >= 1
         with pytest.raises(OSError) as exc:
             (mnt / victim).read_bytes()
         assert exc.value.errno == errno.EIO
