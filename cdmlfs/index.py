@@ -40,8 +40,9 @@ IN_STREAM = 0xFF00  # bytes at `offset` of the archive's decoded container strea
 ENCRYPTED = 1
 NEEDS_LOCAL_HEADER = 2  # ZIP: `offset` is the local header; the data offset is resolved on first read
 MEMBER_CRC = 4  # IN_STREAM: `crc` is the member's CRC-32 (written by cdmlfs pack), checkable on its own
-# ZIP: an empty member whose record contradicts it (a CRC other than 0, stored data): EIO on stat and
-# read, since the kernel never asks to read a file of size 0, so a later check could not catch it.
+# ZIP: a member whose record contradicts itself (declared empty with a CRC other than 0 or stored
+# data; stored with two different sizes; ZIP64 sizes missing): EIO on stat and read (the kernel never
+# asks to read a file of size 0, so a later check could not catch the empty ones).
 INCONSISTENT = 8
 
 DEFAULT_FILE_MODE = 0o644
@@ -100,6 +101,7 @@ class Index:
         "offset",
         "parent",
         "paths",
+        "problems",
         "size",
     )
 
@@ -118,6 +120,7 @@ class Index:
         self.link_target: dict[int, str] = {}  # symlink targets known at index time (tar)
         self.hardlink_of: dict[int, int] = {}  # hard link -> entry holding the data (tar)
         self.nlink_extra: dict[int, int] = {}  # entry with data -> number of extra hard links
+        self.problems: dict[int, str] = {}  # INCONSISTENT entry -> what its record contradicts (zip)
         self._lookup: dict[str, int] = {}
         self._children: dict[int, array] = {}
 
@@ -379,6 +382,11 @@ class IndexBuilder:
         if eid is not None and eid != target:
             ix.hardlink_of[eid] = target
         return eid
+
+    def mark_inconsistent(self, eid: int, reason: str) -> None:
+        """The entry's own record contradicts itself: listed, but EIO (with ``reason``) when used."""
+        self._index.flags[eid] |= INCONSISTENT
+        self._index.problems[eid] = reason
 
     def set_link_target(self, eid: int, target: str) -> None:
         self._index.link_target[eid] = target

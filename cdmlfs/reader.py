@@ -308,11 +308,11 @@ class ExtentReader:
         """Raise CorruptMemberError for an entry whose own record is contradictory (see INCONSISTENT)."""
         ix = self.index
         if ix.flags[eid] & INCONSISTENT:
-            raise CorruptMemberError(
+            reason = ix.problems.get(eid) or (
                 f"declared empty, but its record says otherwise (CRC {ix.crc[eid]:#010x}, "
-                f"{ix.comp_size[eid]} compressed bytes)",
-                ix.paths[eid],
+                f"{ix.comp_size[eid]} compressed bytes)"
             )
+            raise CorruptMemberError(reason, ix.paths[eid])
 
     def _verify_crc(self, eid: int, data) -> None:
         """Check a whole member's bytes against its CRC: VERIFIED, or CORRUPT and raise."""

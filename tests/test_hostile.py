@@ -423,6 +423,38 @@ def test_empty_member_whose_record_contradicts_it_is_eio(label: str, kw: dict, t
         assert ar.read("ok") == b"fine"
 
 
+@pytest.mark.parametrize("comp_size", [40, 100], ids=["short", "long"])
+def test_stored_member_with_two_different_sizes_is_eio(comp_size: int, tmp_path: Path) -> None:
+    """unzip refuses a stored entry whose sizes differ; serving either size would be a guess."""
+    content = bytes(range(70))
+    liar = craft.member("liar", content, method=0, comp_size=comp_size)
+    blob = craft.build_zip([liar, craft.member("ok", b"fine", method=0)])
+    with _open(blob, tmp_path) as ar:
+        with pytest.raises(MemberError, match=f"{comp_size} bytes of data for a file of 70 bytes"):
+            ar.read("liar")
+        assert ar.read("ok") == b"fine"
+
+
+@pytest.mark.parametrize(("label", "extra"), [("truncated", struct.pack("<HHI", 1, 4, 7)), ("absent", b"")])
+def test_one_bad_zip64_field_is_eio_and_the_rest_reads(label: str, extra: bytes, tmp_path: Path) -> None:
+    """Like unzip (which warns and goes on), one broken record does not refuse the whole archive."""
+    bad = craft.member("bad.txt", b"bad data\n", method=0, extra=extra, fields={"size": 0xFFFFFFFF})
+    blob = craft.build_zip([craft.member("good.txt", b"good data\n"), bad])
+    with _open(blob, tmp_path) as ar:
+        assert ar.read("good.txt") == b"good data\n"
+        with pytest.raises(MemberError, match="ZIP64 extra field"):
+            ar.read("bad.txt")
+
+
+def test_an_entry_count_the_directory_cannot_hold_is_not_a_memory_error(tmp_path: Path, caplog) -> None:
+    """A ZIP64 end record claiming 2**40 entries over a 1-entry directory: the entries that are
+    there are listed (as zipfile and unzip do), with a warning, not refused for index memory."""
+    blob = craft.build_zip([craft.member("a.txt", b"data\n")], zip64=True, entries=1 << 40)
+    with _open(blob, tmp_path) as ar:
+        assert ar.read("a.txt") == b"data\n"
+    assert "holds 1 entries, its end record says 1099511627776" in caplog.text
+
+
 def test_comment_length_past_the_end_of_the_file_still_opens(tmp_path: Path) -> None:
     """zipfile and unzip read an archive whose comment was cut short; so do we."""
     blob = bytearray(craft.build_zip([craft.member("a", b"alpha")], comment=b"a comment"))

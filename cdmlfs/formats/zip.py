@@ -124,14 +124,17 @@ class ZipFormat:
         cd_start = cd_end_pos - cd_size
         if cd_start < 0:
             raise ArchiveFormatError("corrupt ZIP: central directory size exceeds the file")
-        _check_index_fits(max(n_total, cd_size // 256))
+        # Every record takes at least 46 bytes: a count beyond that is a lie the parse will tell.
+        _check_index_fits(max(min(n_total, cd_size // 46), cd_size // 256))
         # A stub before the archive (self-extractor) shifts every recorded offset by the same amount.
         self.prefix = cd_start - cd_offset
         if self.prefix < 0:
             raise ArchiveFormatError("corrupt ZIP: central directory offset points past its real position")
         mtime = getattr(source, "mtime", 0.0)
         builder = IndexBuilder(implied_dir_mtime=mtime)
-        self._parse_central_directory(cd_start, cd_size, builder, progress)
+        found = self._parse_central_directory(cd_start, cd_size, builder, progress)
+        if found != n_total and n_total not in (0xFFFF, 0xFFFFFFFF):
+            log.warning("the ZIP central directory holds %d entries, its end record says %d", found, n_total)
         index = builder.finish()
         if index.entry_count == 1 and n_total:
             raise ArchiveFormatError("corrupt ZIP: central directory has no readable entries")
@@ -151,7 +154,8 @@ class ZipFormat:
 
     def _parse_central_directory(
         self, cd_start: int, cd_size: int, builder: IndexBuilder, progress: Callable[[int, int], None] | None
-    ) -> None:
+    ) -> int:
+        """Add every central directory record to ``builder``; returns how many there were."""
         prefix = self.prefix
         source_size = self.source.size
         unpack = CDH.unpack_from
@@ -182,11 +186,17 @@ class ZipFormat:
             else:
                 name = _decode_legacy_name(name_b, made_by >> 8)
             mtime = None
+            problem = None
+            xs = pos + 46 + nlen
+            extra = buf[xs : xs + xlen] if xlen else b""
+            if usize == 0xFFFFFFFF or csize == 0xFFFFFFFF or loff == 0xFFFFFFFF:
+                try:
+                    usize, csize, loff = _zip64_values(extra, usize, csize, loff)
+                except ValueError as exc:  # this member cannot be read; the others can
+                    problem = str(exc)
+                    usize = csize = 0
+                    loff = source_size
             if xlen:
-                xs = pos + 46 + nlen
-                extra = buf[xs : xs + xlen]
-                if usize == 0xFFFFFFFF or csize == 0xFFFFFFFF or loff == 0xFFFFFFFF:
-                    usize, csize, loff = _zip64_values(extra, usize, csize, loff, name)
                 mtime, upath = _time_and_unicode_path(extra, name_b)
                 if upath is not None and not flags & FLAG_UTF8:
                     name = upath
@@ -214,13 +224,17 @@ class ZipFormat:
                 eflags |= ENCRYPTED
             elif usize == 0 and kind == FILE and (crc != 0 or (method == STORED and csize != 0)):
                 eflags |= INCONSISTENT  # CRC-32 of no bytes is 0; stored data has its own size
+            elif method == STORED and kind == FILE and csize != usize and problem is None:
+                problem = f"stored, but its record gives {csize} bytes of data for a file of {usize} bytes"
             offset = loff + prefix
             if offset >= source_size:
                 offset = -1  # outside the archive (ZIP64 allows 2**64-1): EIO when read, not a failed mount
             if usize > MAX_SIZE or csize > MAX_SIZE:  # beyond off_t: stat would wrap to a negative size
                 usize = min(usize, MAX_SIZE)
                 csize = min(csize, MAX_SIZE)
-            add(name, kind, mode, mtime, usize, method, offset, csize, crc, eflags)
+            eid = add(name, kind, mode, mtime, usize, method, offset, csize, crc, eflags)
+            if problem is not None and eid is not None:
+                builder.mark_inconsistent(eid, problem)
             pos += rec_len
             done += rec_len
             count += 1
@@ -228,6 +242,7 @@ class ZipFormat:
                 progress(done, cd_size)
         if progress is not None:
             progress(cd_size, cd_size)
+        return count
 
     def _refill(
         self, buf: bytes, buf_pos: int, pos: int, cd_start: int, cd_size: int, need: int
@@ -303,7 +318,8 @@ def _iter_extra(extra: bytes):
         pos += 4 + hlen
 
 
-def _zip64_values(extra: bytes, usize: int, csize: int, loff: int, name: str) -> tuple[int, int, int]:
+def _zip64_values(extra: bytes, usize: int, csize: int, loff: int) -> tuple[int, int, int]:
+    """The 64-bit values the central record defers to its ZIP64 extra field (ValueError: absent)."""
     for hid, body in _iter_extra(extra):
         if hid != EXTRA_ZIP64:
             continue
@@ -318,9 +334,9 @@ def _zip64_values(extra: bytes, usize: int, csize: int, loff: int, name: str) ->
             if loff == 0xFFFFFFFF:
                 (loff,) = struct.unpack_from("<Q", body, pos)
         except struct.error:
-            raise ArchiveFormatError(f"corrupt ZIP: truncated ZIP64 extra field for {name!r}") from None
+            raise ValueError("its ZIP64 extra field is truncated") from None
         return usize, csize, loff
-    raise ArchiveFormatError(f"corrupt ZIP: {name!r} needs a ZIP64 extra field but has none")
+    raise ValueError("its record needs a ZIP64 extra field but has none")
 
 
 def _time_and_unicode_path(extra: bytes, name_b: bytes) -> tuple[float | None, str | None]:
