@@ -162,8 +162,15 @@ def read_exact(stream, n: int) -> bytes:
 
 
 def at_end(stream) -> bool:
-    """True when the stream has no more decoded bytes (a member longer than declared is corrupt)."""
+    """True when the stream has no more decoded bytes (a member longer than declared is corrupt).
+
+    Called once the declared size was decoded, before the member's CRC is checked. Input that
+    runs out there is an end: LZMA members may omit the end-of-stream marker (general purpose
+    flag bit 1 clear, as 7-Zip writes them), and the CRC still covers every byte served.
+    """
     try:
         return not stream.read(1)
+    except EOFError:
+        return True
     except Exception:
         return False

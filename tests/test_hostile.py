@@ -60,6 +60,21 @@ def _lzma_member(name: str, content: bytes, header_dict: int, declared: int | No
     return craft.ZipMember(name.encode(), data, 14, zlib.crc32(content), size)
 
 
+def test_lzma_member_without_an_end_marker_reads(tmp_path: Path) -> None:
+    """APPNOTE lets an LZMA member omit the end-of-stream marker (its size is known): zipfile reads
+    it, and so do we; the CRC still covers it, so a flipped byte is still EIO."""
+    content = b"hello lzma without an end marker\n" * 20
+    body = craft.lzma1_literals_without_end_marker(content)
+    props = bytes([(2 * 5 + 0) * 9 + 3]) + struct.pack("<I", 1 << 16)
+    data = struct.pack("<BBH", 9, 20, 5) + props + body
+    good = craft.ZipMember(b"a.txt", data, 14, zlib.crc32(content), len(content))
+    bad = craft.ZipMember(b"b.txt", data, 14, zlib.crc32(content) ^ 1, len(content))
+    with _open(craft.build_zip([good, bad]), tmp_path) as ar:
+        assert ar.read("a.txt") == content
+        with pytest.raises(MemberError, match="CRC"):
+            ar.read("b.txt")
+
+
 # -- compressed members that lie about their decoder's memory ---------------------------------------
 def test_lzma_dictionary_from_the_header_is_cut_to_the_member_size() -> None:
     """A 4 GiB dictionary in a 12 KB member's header: decoded with a member-sized one (was MemoryError)."""

@@ -130,3 +130,60 @@ def zstd_frame(data: bytes, content_size: bool = True, checksum: bool = True, le
         return c.compress(data)
     obj = c.compressobj()  # streaming: the frame header then carries no content size
     return obj.compress(data) + obj.flush()
+
+
+def lzma1_literals_without_end_marker(data: bytes) -> bytes:
+    """A raw LZMA1 stream (lc=3, lp=0, pb=2) of ``data`` coded as literals, with no end marker.
+
+    liblzma's encoders always write the end-of-stream marker; ZIP method 14 members
+    without one (general purpose flag bit 1 clear, as 7-Zip writes them) need this
+    tiny range coder: every byte a literal, so the state never leaves 0.
+    """
+    low, rng, cache, pending = 0, 0xFFFFFFFF, 0, 1
+    out = bytearray()
+
+    def shift() -> None:
+        nonlocal low, cache, pending
+        if low < 0xFF000000 or low >= 1 << 32:
+            carry = low >> 32
+            byte = cache
+            while True:
+                out.append((byte + carry) & 0xFF)
+                byte = 0xFF
+                pending -= 1
+                if not pending:
+                    break
+            cache = (low >> 24) & 0xFF
+        pending += 1
+        low = (low & 0x00FFFFFF) << 8
+
+    def bit(probs: list[int], i: int, b: int) -> None:
+        nonlocal low, rng
+        p = probs[i]
+        bound = (rng >> 11) * p
+        if b:
+            low += bound
+            rng -= bound
+            probs[i] = p - (p >> 5)
+        else:
+            rng = bound
+            probs[i] = p + ((2048 - p) >> 5)
+        while rng < 1 << 24:
+            rng = (rng << 8) & 0xFFFFFFFF
+            shift()
+
+    is_match = [1024] * (12 << 4)
+    literal = [1024] * (0x300 << 3)
+    prev = 0
+    for pos, byte in enumerate(data):
+        bit(is_match, pos & 3, 0)
+        base = 0x300 * (prev >> 5)
+        sym = 1
+        for k in range(7, -1, -1):
+            b = (byte >> k) & 1
+            bit(literal, base + sym, b)
+            sym = (sym << 1) | b
+        prev = byte
+    for _ in range(5):
+        shift()
+    return bytes(out)
