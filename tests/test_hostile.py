@@ -14,6 +14,7 @@ import lzma
 import random
 import resource
 import struct
+import subprocess
 import zlib
 from pathlib import Path
 
@@ -167,6 +168,35 @@ def _pax(records: bytes) -> bytes:
 
 
 FILE_ABC = th.build_header("f", th.REGTYPE, 3) + b"abc" + bytes(509)
+
+
+@pytest.mark.parametrize(
+    ("typeflag", "skips"),
+    [(th.SYMTYPE, True), (th.CHRTYPE, True), (th.FIFOTYPE, True), (th.LNKTYPE, False), (th.DIRTYPE, False)],
+    ids=["symlink", "chardev", "fifo", "hardlink", "dir"],
+)
+def test_tar_data_behind_a_typed_header_is_skipped_as_gnu_tar_does(
+    typeflag: bytes, skips: bool, tmp_path: Path
+) -> None:
+    """A symlink, device or fifo header that declares a size: GNU tar skips that many bytes, so a
+    header hidden there is no member for ``tar -x`` and must not replace one here. Hard links and
+    directories carry no data for GNU tar: what follows them is read as headers."""
+    blk = bytearray(_tar_block("odd/" if typeflag == th.DIRTYPE else "odd", typeflag, b"%011o\0" % 1024))
+    if typeflag in (th.SYMTYPE, th.LNKTYPE):
+        blk[157:165] = b"base.txt"  # link target; checksum again
+        blk[148:156] = b" " * 8
+        blk[148:156] = b"%06o\0 " % sum(blk)
+    odd = bytes(blk)
+    hidden = th.build_header("base.txt", th.REGTYPE, 4) + b"EVIL" + bytes(508)
+    blob = th.build_header("base.txt", th.REGTYPE, 4) + b"base" + bytes(508) + odd + hidden + bytes(1024)
+    path = tmp_path / "t.tar"
+    path.write_bytes(blob)
+    with Archive(str(path), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.read("base.txt") == (b"base" if skips else b"EVIL")
+    out = tmp_path / "out"
+    out.mkdir()
+    subprocess.run(["tar", "-xf", str(path), "-C", str(out), "base.txt"], check=True)
+    assert (out / "base.txt").read_bytes() == (b"base" if skips else b"EVIL")  # GNU tar agrees
 
 
 @pytest.mark.parametrize(

@@ -77,7 +77,10 @@ EMBEDDED_INDEX_MAGIC = b"CDMLFS-MEMBERS\x00\x01"
 MAX_META_MEMBER = 16 << 20  # longest pax / GNU long-name payload we accept
 STORE_KIND_TAR = "tar/1"
 STORE_KIND_TAR_ZST = "tar.zst/1"
-_NO_DATA_TYPES = frozenset((th.LNKTYPE, th.SYMTYPE, th.CHRTYPE, th.BLKTYPE, th.DIRTYPE, th.FIFOTYPE))
+# Types whose size field is ignored, as GNU tar 1.34 does: a symlink, device or fifo header that
+# declares a size is followed by that many bytes, which tar skips (a header hidden there is not a
+# member for tar -x, so it must not be one for us either).
+_NO_DATA_TYPES = frozenset((th.LNKTYPE, th.DIRTYPE))
 _META_TYPES = frozenset((th.PAX_LOCAL, th.SOLARIS_PAX, th.PAX_GLOBAL, th.GNU_LONGNAME, th.GNU_LONGLINK))
 _PER_MEMBER_ONLY = frozenset(("path", "linkpath", "size"))
 MAX_MEMBER_SIZE = 1 << 62  # base-256 fields can say more; no stream is that long
