@@ -26,6 +26,7 @@ from cdmlfs import inflate
 from cdmlfs.archive import Archive
 from cdmlfs.errors import ArchiveFormatError, MemberError
 from cdmlfs.formats import tarheader as th
+from cdmlfs.zstd_seekable import seek_table_frame
 
 
 def _open(blob: bytes, tmp_path: Path | None = None, cache: int = 64 << 20) -> Archive:
@@ -237,6 +238,37 @@ def test_tar_zst_lone_zero_block_before_a_frame_boundary_ends_the_listing() -> N
     with _open(blob) as ar:
         assert sorted(ar.listdir("")) == ["f"]
         assert ar.read("f") == b"abc"
+
+
+@pytest.mark.parametrize("how", ["seek table", "frame header"])
+def test_tar_zst_frame_said_to_be_empty_but_holding_data_is_refused(how: str, tmp_path: Path) -> None:
+    """Skipping a "0-byte" frame that holds data would shift every later byte of the stream (wrong
+    bytes, no error); ``zstd -d`` refuses such a file, and so do we."""
+    content = b"A" * 512 + b"B" * 512 + b"C" * 512
+    tar = th.build_header("a.txt", th.REGTYPE, len(content)) + content + bytes(1024)
+    pieces = [tar[:1024], tar[1024:1536], tar[1536:]]
+    if how == "seek table":
+        frames = [craft.zstd_frame(p) for p in pieces]
+        sizes = [len(pieces[0]), 0, len(pieces[2])]
+        blob = b"".join(frames) + seek_table_frame([(len(f), n) for f, n in zip(frames, sizes)])
+    else:
+        middle = craft.zstd_frame(pieces[1], content_size=False)
+        assert middle[4] & 0xE0 == 0  # no content size field yet: give it a 4-byte one that says 0
+        middle = middle[:4] + bytes([middle[4] | 0x80]) + middle[5:6] + bytes(4) + middle[6:]
+        blob = craft.zstd_frame(pieces[0]) + middle + craft.zstd_frame(pieces[2])
+    with pytest.raises(ArchiveFormatError, match=r"frame #1 .*0 bytes"):
+        _open(blob, tmp_path)
+
+
+def test_tar_zst_genuinely_empty_frames_are_fine(tmp_path: Path) -> None:
+    tar = FILE_ABC + bytes(1024)
+    frames = [craft.zstd_frame(tar[:512]), craft.zstd_frame(b""), craft.zstd_frame(tar[512:])]
+    blob = b"".join(frames) + seek_table_frame(
+        [(len(frames[0]), 512), (len(frames[1]), 0), (len(frames[2]), len(tar) - 512)]
+    )
+    for data in (blob, b"".join(frames)):
+        with _open(data, tmp_path) as ar:
+            assert ar.read("f") == b"abc"
 
 
 @pytest.mark.parametrize("with_progress", [False, True])

@@ -58,6 +58,7 @@ from cdmlfs.formats.zstdstream import (
     RawStream,
     ZstdScanView,
     ZstdStream,
+    check_empty_frames,
 )
 from cdmlfs.index import DIR, FILE, SYMLINK, Index
 from cdmlfs.index_store import IndexStore
@@ -311,6 +312,7 @@ class TarFormat:
             log.warning("%s: %s; locating frames by their headers instead", where, exc)
             seek_frames = None
         if seek_frames is not None:
+            check_empty_frames(self.source, seek_frames)
             members = self._embedded_members(seek_frames)
             if members is not None:
                 self.index_source = "embedded"
@@ -319,7 +321,11 @@ class TarFormat:
         if cached is not None:
             self.index_source = "cache"
             return cached
-        frames = seek_frames if seek_frames is not None else walk_frames(self.source, progress)
+        if seek_frames is None:
+            frames = walk_frames(self.source, progress)
+            check_empty_frames(self.source, frames)
+        else:
+            frames = seek_frames
         if not any(not f.skippable for f in frames):
             raise ArchiveFormatError("zstd file holds no data frames")
         view = ZstdScanView(self.source, frames, progress)

@@ -48,7 +48,7 @@ from cdmlfs.cache import ExtentCache
 from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, SourceError
 from cdmlfs.formats import zstdframes
 from cdmlfs.sources.base import Source
-from cdmlfs.zstd_seekable import Frame, parse_frame_header
+from cdmlfs.zstd_seekable import Frame, is_skippable_magic, parse_frame_header
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +173,37 @@ class FrameTable:
             prev_end = off + comp
             table.add(off, comp, dec)
         return table
+
+
+EMPTY_FRAME_MAX = 64  # bytes: header (at most 18) + an empty last block (3) + checksum (4), with room
+
+
+def check_empty_frames(source: Source, frames: list[Frame]) -> None:
+    """Frames said to decode to nothing must: a frame table skips them (they hold no stream bytes).
+
+    A seek table entry or a frame header can claim 0 bytes for a frame that holds data; skipping
+    it would shift every later byte of the stream (``zstd -d`` refuses such a file). Genuinely
+    empty frames are a few bytes, so this decodes at most ``EMPTY_FRAME_MAX`` bytes per frame.
+    """
+    for i, f in enumerate(frames):
+        if f.skippable or f.content_size != 0:
+            continue
+        where = f"zstd frame #{i} at offset {f.offset}"
+        head = source.read_at(f.offset, min(8, f.comp_size))
+        if len(head) == 8 and is_skippable_magic(int.from_bytes(head[:4], "little")):
+            if int.from_bytes(head[4:], "little") != f.comp_size - 8:  # a seek table lists these as 0
+                raise ArchiveFormatError(f"{where}: skippable frame whose size disagrees with the seek table")
+            continue
+        if f.comp_size > EMPTY_FRAME_MAX:
+            raise ArchiveFormatError(f"{where} is said to decode to 0 bytes but is {f.comp_size} bytes long")
+        data = source.read_at(f.offset, f.comp_size)
+        try:
+            reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=False)
+            extra = reader.read(1)
+        except zstandard.ZstdError as exc:
+            raise ArchiveFormatError(f"{where} is said to decode to 0 bytes but does not ({exc})") from None
+        if extra:
+            raise ArchiveFormatError(f"{where} is said to decode to 0 bytes but holds data")
 
 
 # -- container streams (read time) -------------------------------------------------
