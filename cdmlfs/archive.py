@@ -12,7 +12,7 @@ import posixpath
 from collections.abc import Callable, Iterator
 
 from cdmlfs.cache import ExtentCache
-from cdmlfs.errors import IsADirectoryError_, NotADirectoryError_, NotFoundError
+from cdmlfs.errors import IsADirectoryError_, NotADirectoryError_, NotFoundError, SourceChangedError
 from cdmlfs.formats import open_format
 from cdmlfs.index import DIR, FILE, SYMLINK, EntryStat, Index
 from cdmlfs.reader import ExtentReader
@@ -95,10 +95,24 @@ class Archive:
     def __getstate__(self) -> dict:
         if self._location is None:
             raise TypeError("an Archive opened on a Source object cannot be pickled; open it by location")
-        return {"location": self._location, "cache_size": self._cache_size, "options": self._options}
+        return {
+            "location": self._location,
+            "cache_size": self._cache_size,
+            "options": self._options,
+            "identity": tuple(self.source.identity),
+        }
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["location"], state["cache_size"], **state["options"])  # type: ignore[misc]
+        seen = state.get("identity")
+        if seen is not None and tuple(self.source.identity) != tuple(seen):
+            # A worker must not read another version than the one its parent listed and indexed.
+            self.close()
+            raise SourceChangedError(
+                f"{self.location}: the archive changed since it was opened in the parent process "
+                f"(was {seen[1]} bytes, version {seen[2]}; now {self.source.identity.size} bytes, "
+                f"version {self.source.identity.version}); open it again"
+            )
 
     def __repr__(self) -> str:
         return f"Archive({self.location!r}, format={self.format.name}, entries={len(self.index) - 1})"

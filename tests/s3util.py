@@ -206,6 +206,9 @@ class FaultProxy:
         self._queue: deque[str] = deque()
         self._chaos = 0.0
         self._chaos_kinds: tuple[str, ...] = ()
+        # Standing misbehaviours of a non-compliant server, on ranged GETs: "weak_etag" (W/ ETags),
+        # "no_etag" (none on replies to non-suffix ranges), "ignore_if_match" (If-Match dropped).
+        self.quirks: set[str] = set()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         proxy = self
@@ -318,6 +321,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self._reset()
             return
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+        ranged = self.command == "GET" and "Range" in headers
+        if ranged and "ignore_if_match" in owner.quirks:
+            headers.pop("If-Match", None)
         try:
             conn = self._upstream()
             conn.request(self.command, self.path, body=body, headers=headers)
@@ -327,9 +333,16 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self._reset()
             return
         self.send_response_only(resp.status, resp.reason)
+        suffix = self.headers.get("Range", "").startswith("bytes=-")
         for k, v in resp.getheaders():
-            if k.lower() not in _HOP:
-                self.send_header(k, v)
+            if k.lower() in _HOP:
+                continue
+            if ranged and k.lower() == "etag":
+                if "no_etag" in owner.quirks and not suffix:
+                    continue
+                if "weak_etag" in owner.quirks:
+                    v = "W/" + v
+            self.send_header(k, v)
         self.end_headers()
         total = int(resp.getheader("Content-Length") or 0) if self.command != "HEAD" else 0
         limit = total // 2 if fault in ("truncate", "short", "stall_body") else total

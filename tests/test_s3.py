@@ -6,6 +6,7 @@ and injects 503s, resets, stalls and short bodies.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import pickle
 import random
@@ -251,6 +252,61 @@ def test_object_replaced_after_open_fails_reads_never_mixes_bytes(
         assert remote.read("readme.txt") == first  # bytes of the version opened, from the cache
 
 
+def test_a_server_that_drops_if_match_and_etags_cannot_mix_versions(
+    moto_s3, proxy_to, tmp_path: Path
+) -> None:
+    """Without If-Match nor an ETag on ranged replies nothing would tell the versions apart: such
+    replies are refused (a plain member of the new version was served under the old index)."""
+    old = _small_zip(tmp_path, "old.zip", seed=1, method=zipfile.ZIP_STORED)
+    moto_s3.put("cons", "quirky.zip", old)
+    proxy = proxy_to(moto_s3)
+    proxy.quirks |= {"ignore_if_match", "no_etag"}
+    with pytest.raises(SourceError, match="no ETag"):  # the central directory is read at open
+        Archive("s3://cons/quirky.zip", endpoint_url=proxy.url, retry=FAST_RETRY)
+
+
+def test_weak_etags_are_not_sent_as_if_match(moto_s3, proxy_to, tmp_path: Path) -> None:
+    """If-Match compares strongly, so a weak ETag never matches: every read was "changed" (EIO).
+    Reads then rely on the ETag of each reply, which still catches a replaced object."""
+    rng = random.Random(3)
+    v1 = {f"m{i:03d}.bin": rng.randbytes(64 << 10) for i in range(100)}
+    _stored_zip_on(moto_s3, "cons", "weak.zip", tmp_path, v1)
+    proxy = proxy_to(moto_s3)
+    proxy.quirks.add("weak_etag")
+    with Archive("s3://cons/weak.zip", endpoint_url=proxy.url, retry=FAST_RETRY) as remote:
+        assert remote.source.etag.startswith("W/")
+        assert remote.read("m000.bin") == v1["m000.bin"]
+        _stored_zip_on(moto_s3, "cons", "weak.zip", tmp_path, {k: bytes(len(v)) for k, v in v1.items()})
+        with pytest.raises(SourceChangedError, match="ETag is now"):
+            remote.read("m050.bin")
+
+
+def test_a_pickled_archive_refuses_another_version(moto_s3, tmp_path: Path) -> None:
+    """A spawned DataLoader worker reopens the location: it must not read a replaced object under
+    the samples its parent listed (it silently read the new version)."""
+    moto_s3.put("api", "versioned.zip", _small_zip(tmp_path, "v1.zip", seed=1))
+    with Archive("s3://api/versioned.zip", endpoint_url=moto_s3.url) as remote:
+        blob = pickle.dumps(remote)
+        pickle.loads(blob).close()  # same version: fine
+        moto_s3.put("api", "versioned.zip", _small_zip(tmp_path, "v2.zip", seed=2))
+        with pytest.raises(SourceChangedError, match="changed since it was opened"):
+            pickle.loads(blob)
+
+
+def test_endpoint_credentials_and_tls_mismatch_give_a_fast_clean_error(proxy_to, moto_s3) -> None:
+    """user:password in an endpoint URL never reaches a message; https to a plain-http port is not
+    retried (it fails the same way every time)."""
+    with pytest.raises(SourceError) as exc:
+        Archive("s3://bkt/a.zip", endpoint_url="http://minio:SuperSecretPw@127.0.0.1:1", retry=FAST_RETRY)
+    assert "SuperSecretPw" not in str(exc.value)
+    proxy = proxy_to(moto_s3)
+    started = time.monotonic()
+    with pytest.raises(SourceError, match="TLS"):
+        Archive("s3://bkt/a.zip", endpoint_url=proxy.url.replace("http://", "https://"))
+    assert time.monotonic() - started < 3.0
+    assert proxy.stats.requests == 0
+
+
 # -- faults ---------------------------------------------------------------------------------------
 def test_injected_faults_are_retried_with_zero_wrong_bytes(localbucket_s3, proxy_to, tmp_path: Path) -> None:
     path = _many_small_zip(tmp_path / "faulty.zip", 3000, size=5000, seed=4)
@@ -307,6 +363,36 @@ def test_persistent_failure_gives_source_error_in_bounded_time_then_recovers(
             proxy.clear()
         # Not sticky: the object did not change, the network came back.
         assert remote.read("big/stored.bin") == local.read("big/stored.bin")
+
+
+def test_a_server_that_never_answers_fails_within_the_deadline() -> None:
+    """Waiting for a reply's headers is bounded only by the socket timeout (20 s by default): with
+    a 2 s deadline, the timeouts shrink to fit it and no attempt starts that could overrun it (it
+    took 20 s, then 40 s through a mount)."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(server.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    url = f"http://127.0.0.1:{server.getsockname()[1]}"
+    try:
+        started = time.monotonic()
+        with s3util.dummy_credentials(), pytest.raises(SourceError, match="failed after"):
+            Archive("s3://silent/a.zip", endpoint_url=url, retry=RetryPolicy(deadline=2.0))
+        assert time.monotonic() - started < 2.0 + 1.5
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()
 
 
 # -- tar.zst: the persisted index is keyed by the ETag -------------------------------------------

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
+import ssl
 import threading
 import time
 
@@ -148,12 +150,15 @@ class S3Object:
         self._region = region
         self._profile = profile
         self._unsigned = bool(no_sign_request)
-        self._timeouts = (connect_timeout, read_timeout)
+        # Waiting to connect and for a reply's headers is bounded by these socket timeouts only (the
+        # watchdog guards bodies): they fit the deadline, and no attempt starts that could overrun it.
+        self._timeouts = self.retry.timeouts(connect_timeout, read_timeout)
         self._connections = max_connections
         self._client_lock = threading.Lock()
         self._client = None
         self._session = None
         self._changed: str | None = None
+        self._closed = False
         self._watchdog = WATCHDOG
         self.requests = 0  # GET attempts, including retries and the opening one
         self.bytes_received = 0
@@ -162,6 +167,7 @@ class S3Object:
         self._make_session()
         head = _Background(self._head, HEAD_BYTES)  # format sniffing reads the first bytes: same round trip
         self.size, self.etag, tail_start, tail = self._open(open_suffix)
+        self._weak = self.etag.strip().startswith("W/")
         self.identity = SourceIdentity(self.location, self.size, _etag(self.etag))
         last_modified = getattr(self, "_last_modified", None)
         self.mtime = last_modified.timestamp() if last_modified is not None else 0.0
@@ -212,6 +218,7 @@ class S3Object:
         return self.bytes_received
 
     def close(self) -> None:
+        self._closed = True  # requests still under way stop at their next retry
         self._blocks.close()
         with self._client_lock:
             client, self._client = self._client, None
@@ -238,7 +245,8 @@ class S3Object:
         try:
             self._session = boto3.session.Session(profile_name=self._profile, region_name=self._region)
         except ProfileNotFound:
-            raise UsageError(f"AWS profile {self._profile!r} not found") from None
+            name = self._profile or os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE")
+            raise UsageError(f"AWS profile {name!r} not found") from None
 
     def _s3(self):
         """The client (created lazily, and again in a forked child: sockets are not shared)."""
@@ -271,7 +279,8 @@ class S3Object:
                         "s3", endpoint_url=self.endpoint_url, config=Config(**kwargs)
                     )
                 except ValueError as exc:  # botocore: "Invalid endpoint: 127.0.0.1:9000" (no scheme)
-                    raise UsageError(f"{exc} (an endpoint URL looks like http://host:port)") from None
+                    hint = " (an endpoint URL looks like http://host:port)" if "endpoint" in str(exc) else ""
+                    raise UsageError(f"{_redact(str(exc))}{hint}") from None
             return self._client
 
     def _before_fork(self) -> None:
@@ -289,40 +298,50 @@ class S3Object:
             try:
                 resp = self._s3().get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes=-{suffix}")
             except Exception as exc:
-                code = _error_code(exc)
-                if code == "InvalidRange":  # S3 answers 416 for any range of an empty object
-                    return self._open_empty()
+                if _error_code(exc) != "InvalidRange":
+                    self._classify(exc, opening=True)
+                    raise
+            else:
+                return self._open_reply(resp, suffix, deadline)
+            try:  # S3 answers 416 for any range of an empty object
+                return self._open_empty()
+            except Exception as exc:
                 self._classify(exc, opening=True)
                 raise
-            body = resp["Body"]
-            self._last_modified = resp.get("LastModified")
-            try:
-                etag = resp.get("ETag")
-                if not etag:
-                    raise SourceError(f"{self.location}: the server sent no ETag; reads could not be pinned")
-                length = resp.get("ContentLength")
-                crange = resp.get("ContentRange")
-                if crange:
-                    m = _CONTENT_RANGE.match(crange)
-                    if not m or m.group(3) == "*":
-                        raise _Transient(f"unparsable Content-Range {crange!r}")
-                    start, last, size = int(m.group(1)), int(m.group(2)), int(m.group(3))
-                    if last != size - 1 or last - start + 1 != length:
-                        raise _Transient(f"unexpected Content-Range {crange!r} for a suffix request")
-                else:  # 200: the whole object (smaller than the suffix, or empty)
-                    start, size = 0, length
-                    if length is None or length > suffix:
-                        raise SourceError(
-                            f"{self.location}: the server ignores Range requests (it sent all of "
-                            f"{length} bytes); random access needs ranged GETs"
-                        )
-                with self._watchdog.guard(body, deadline):
-                    data = self._read_body(body, length)
-            finally:
-                body.close()
-            return size, etag, start, data
 
         return self._with_retries(attempt, "open")
+
+    def _open_reply(self, resp, suffix: int, deadline: float) -> tuple[int, str, int, bytes]:
+        """Size, ETag and bytes of the opening suffix GET's reply."""
+        body = resp["Body"]
+        self._last_modified = resp.get("LastModified")
+        try:
+            etag = resp.get("ETag")
+            if not etag:
+                raise SourceError(f"{self.location}: the server sent no ETag; reads could not be pinned")
+            length = resp.get("ContentLength")
+            crange = resp.get("ContentRange")
+            if crange:
+                m = _CONTENT_RANGE.match(crange)
+                if not m or m.group(3) == "*":
+                    raise _Transient(f"unparsable Content-Range {crange!r}")
+                start, last, size = int(m.group(1)), int(m.group(2)), int(m.group(3))
+                if length is None:  # chunked: the body is counted as it is read
+                    length = last - start + 1
+                if last != size - 1 or last - start + 1 != length:
+                    raise _Transient(f"unexpected Content-Range {crange!r} for a suffix request")
+            else:  # 200: the whole object (smaller than the suffix, or empty)
+                start, size = 0, length
+                if length is None or length > suffix:
+                    raise SourceError(
+                        f"{self.location}: the server ignores Range requests (it sent all of "
+                        f"{length} bytes); random access needs ranged GETs"
+                    )
+            with self._watchdog.guard(body, deadline):
+                data = self._read_body(body, length)
+        finally:
+            body.close()
+        return size, etag, start, data
 
     def _head(self, n: int) -> tuple[str, bytes] | None:
         """The first ``n`` bytes and their ETag, unpinned (kept only if the ETag matches the suffix's)."""
@@ -368,9 +387,10 @@ class S3Object:
         expect = f"bytes {start}-{end - 1}/{self.size}"
 
         def attempt(deadline: float):
+            pin = {} if self._weak else {"IfMatch": self.etag}  # If-Match never matches a weak ETag
             try:
                 resp = self._s3().get_object(
-                    Bucket=self.bucket, Key=self.key, Range=f"bytes={start}-{end - 1}", IfMatch=self.etag
+                    Bucket=self.bucket, Key=self.key, Range=f"bytes={start}-{end - 1}", **pin
                 )
             except Exception as exc:
                 self._classify(exc, opening=False)
@@ -378,7 +398,9 @@ class S3Object:
             body = resp["Body"]
             try:
                 etag = resp.get("ETag")
-                if etag is not None and _etag(etag) != _etag(self.etag):
+                if not etag:  # without it, a server that ignores If-Match could mix versions unseen
+                    raise SourceError(f"{self.location}: the server sent no ETag with a ranged reply")
+                if _etag(etag) != _etag(self.etag):
                     raise self._mark_changed(f"its ETag is now {etag}")
                 crange = resp.get("ContentRange")
                 if crange != expect:
@@ -454,10 +476,14 @@ class S3Object:
                 return attempt(deadline)
             except _Transient as exc:
                 failures += 1
-                pause = policy.next_delay(failures, started)
+                if self._closed:
+                    raise SourceError(f"{self.location}: source closed during the read ({exc})") from None
+                pause = policy.next_delay(failures, started, attempt_wait=sum(self._timeouts))
                 elapsed = time.monotonic() - started
                 if pause is None:
-                    log.warning(
+                    # A failed open is the caller's one-line error; a failed read is logged here, each time.
+                    log.log(
+                        logging.INFO if what == "open" else logging.WARNING,
                         "%s: %s failed %d times in %.1f s, giving up: %s",
                         self.location, what, failures, elapsed, exc,
                     )  # fmt: skip
@@ -480,6 +506,7 @@ class S3Object:
             IncompleteReadError,
             NoCredentialsError,
             PartialCredentialsError,
+            SSLError,
         )
 
         if isinstance(exc, (SourceError, _Transient)):
@@ -491,6 +518,8 @@ class S3Object:
                 raise _Transient(f"HTTP {status} {code}") from None
             if not opening and (status == 412 or code == "PreconditionFailed"):
                 raise self._mark_changed("it was replaced (If-Match failed)") from None
+            if not opening and (status == 416 or code == "InvalidRange"):  # ranges inside the size at open
+                raise self._mark_changed("it is now shorter (a range inside it is invalid)") from None
             if code in ("NoSuchKey", "NoSuchBucket") or status == 404:
                 if not opening:
                     raise self._mark_changed("it was deleted") from None
@@ -508,10 +537,14 @@ class S3Object:
                 f"{self.location}: no AWS credentials found (set AWS_PROFILE/--profile or the AWS_* "
                 "environment variables; public buckets: --no-sign-request)"
             ) from None
+        if isinstance(exc, SSLError) or isinstance(getattr(exc, "__context__", None), ssl.SSLError):
+            # A TLS handshake fails the same way every time (https to a plain-http port, a bad
+            # certificate): retrying only delays the message.
+            raise SourceError(f"{self.location}: TLS failed ({_redact(str(exc))})") from None
         if isinstance(exc, (ConnectionError, HTTPClientError, IncompleteReadError, OSError, HTTPException)):
-            raise _Transient(f"{type(exc).__name__}: {exc}") from None
+            raise _Transient(f"{type(exc).__name__}: {_redact(str(exc))}") from None
         if isinstance(exc, BotoCoreError):
-            raise SourceError(f"{self.location}: {exc}") from None
+            raise SourceError(f"{self.location}: {_redact(str(exc))}") from None
 
     def _mark_changed(self, how: str) -> SourceChangedError:
         message = (
@@ -538,6 +571,14 @@ class _Background:
     def result(self):
         self._thread.join()
         return self._result
+
+
+_USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
+
+
+def _redact(text: str) -> str:
+    """Drop ``user:password@`` from URLs in a message (an endpoint URL may carry credentials)."""
+    return _USERINFO.sub("***@", text)
 
 
 def _error_code(exc: BaseException) -> str:
