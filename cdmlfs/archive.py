@@ -12,7 +12,13 @@ import posixpath
 from collections.abc import Callable, Iterator
 
 from cdmlfs.cache import ExtentCache
-from cdmlfs.errors import IsADirectoryError_, NotADirectoryError_, NotFoundError, SourceChangedError
+from cdmlfs.errors import (
+    IsADirectoryError_,
+    LinkLoopError,
+    NotADirectoryError_,
+    NotFoundError,
+    SourceChangedError,
+)
 from cdmlfs.formats import open_format
 from cdmlfs.index import DIR, FILE, SYMLINK, EntryStat, Index
 from cdmlfs.reader import ExtentReader
@@ -138,7 +144,7 @@ class Archive:
                 return eid
             hops += 1
             if hops > MAX_SYMLINK_HOPS:
-                raise NotFoundError(f"{path}: too many levels of symbolic links")
+                raise LinkLoopError(f"{path}: too many levels of symbolic links")
             target = self.reader.readlink(eid)
             path = self._join_link(path, target)
 
@@ -155,7 +161,7 @@ class Archive:
             if index.kind[eid] == SYMLINK and i < len(parts) - 1:
                 hops += 1
                 if hops > MAX_SYMLINK_HOPS:
-                    raise NotFoundError(f"{path}: too many levels of symbolic links")
+                    raise LinkLoopError(f"{path}: too many levels of symbolic links")
                 nxt = self._join_link(nxt, self.reader.readlink(eid))
                 eid = index.get(nxt)
                 if eid is None or index.kind[eid] == SYMLINK:
@@ -182,20 +188,20 @@ class Archive:
     def exists(self, path: str) -> bool:
         try:
             self._resolve(path)
-        except NotFoundError:
+        except (NotFoundError, LinkLoopError):  # as os.path.exists answers for both
             return False
         return True
 
     def isdir(self, path: str) -> bool:
         try:
             return self.index.kind[self._resolve(path)] == DIR
-        except NotFoundError:
+        except (NotFoundError, LinkLoopError):  # as os.path.exists answers for both
             return False
 
     def isfile(self, path: str) -> bool:
         try:
             return self.index.kind[self._resolve(path)] == FILE
-        except NotFoundError:
+        except (NotFoundError, LinkLoopError):  # as os.path.exists answers for both
             return False
 
     def listdir(self, path: str = "") -> list[str]:

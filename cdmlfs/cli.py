@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from cdmlfs import __version__, fuseloop
-from cdmlfs.errors import CdmlfsError, NotFoundError, UsageError
+from cdmlfs.errors import CdmlfsError, LinkLoopError, NotFoundError, UsageError
 
 log = logging.getLogger("cdmlfs")
 
@@ -203,7 +203,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     with archive:
         try:
             st = archive.stat(args.path, follow_symlinks=True)
-        except NotFoundError:  # a dangling link is still there to list, as GNU ls shows it
+        except (NotFoundError, LinkLoopError):  # dangling or looping: listed, as GNU ls does
             st = archive.stat(args.path, follow_symlinks=False)
         if not st.is_dir:
             rows = [archive.stat(args.path, follow_symlinks=False)]

@@ -64,6 +64,12 @@ class NotFoundError(CdmlfsError):
     errno = _errno.ENOENT
 
 
+class LinkLoopError(CdmlfsError):
+    """Symbolic links inside the archive that never reach a file (ELOOP, as on disk)."""
+
+    errno = _errno.ELOOP
+
+
 class IsADirectoryError_(CdmlfsError):
     """A file operation was asked of a directory."""
 

@@ -11,7 +11,7 @@ import csv
 import io
 import json
 import posixpath
-import wave
+import struct
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -60,34 +60,69 @@ def decode_npz(data: bytes) -> dict[str, Any]:
 
 
 _WAV_SCALE = {1: 128.0, 2: 32768.0, 3: 8388608.0, 4: 2147483648.0}
+_WAV_PCM, _WAV_FLOAT, _WAV_EXTENSIBLE = 1, 3, 0xFFFE
+
+
+def _wav_chunks(data: bytes) -> tuple[bytes, memoryview]:
+    """The ``fmt `` and ``data`` chunks of a RIFF/WAVE file (the stdlib ``wave`` reads PCM only)."""
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        raise ValueError("not a RIFF/WAVE file")
+    fmt = None
+    pos = 12
+    view = memoryview(data)
+    while pos + 8 <= len(data):
+        cid, size = data[pos : pos + 4], struct.unpack_from("<I", data, pos + 4)[0]
+        body = view[pos + 8 : pos + 8 + size]
+        if cid == b"fmt ":
+            fmt = bytes(body)
+        elif cid == b"data":
+            if fmt is None:
+                raise ValueError("WAV data chunk before its fmt chunk")
+            return fmt, body
+        pos += 8 + size + (size & 1)  # chunks are padded to even sizes
+    raise ValueError("WAV file has no data chunk")
 
 
 def decode_wav_numpy(data: bytes) -> tuple[Any, int]:
-    """PCM ``.wav`` -> (float32 array of shape (channels, frames) in [-1, 1), sample rate).
+    """``.wav`` -> (float32 array of shape (channels, frames), sample rate).
 
     The layout and scaling are torchaudio's ``load`` defaults, so models fed by
-    either see the same numbers. 8-bit PCM is unsigned, wider PCM signed
-    little-endian; 24-bit samples are widened to 32 bits before scaling.
+    either see the same numbers: integer PCM is scaled to [-1, 1) (8-bit PCM is
+    unsigned, wider PCM signed little-endian; 24-bit samples are widened to 32
+    bits before scaling); IEEE float samples are kept as they are. Plain and
+    ``WAVE_FORMAT_EXTENSIBLE`` headers are read.
     """
     import numpy as np
 
-    with wave.open(io.BytesIO(data), "rb") as w:
-        channels, width, rate = w.getnchannels(), w.getsampwidth(), w.getframerate()
-        raw = w.readframes(w.getnframes())
-    if width == 1:
-        samples = np.frombuffer(raw, dtype=np.uint8).astype(np.float32) - 128.0
-    elif width == 2:
-        samples = np.frombuffer(raw, dtype="<i2").astype(np.float32)
-    elif width == 3:
-        b = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 3)
-        wide = np.zeros((b.shape[0], 4), dtype=np.uint8)
-        wide[:, 1:] = b  # little-endian: the 3 bytes become the high bytes of an int32
-        samples = wide.view("<i4").reshape(-1).astype(np.float32) / 256.0
-    elif width == 4:
-        samples = np.frombuffer(raw, dtype="<i4").astype(np.float32)
+    fmt, raw = _wav_chunks(data)
+    if len(fmt) < 16:
+        raise ValueError("WAV fmt chunk is truncated")
+    tag, channels, rate, _, block, bits = struct.unpack_from("<HHIIHH", fmt)
+    if tag == _WAV_EXTENSIBLE:
+        if len(fmt) < 26:
+            raise ValueError("WAV extensible fmt chunk is truncated")
+        tag = struct.unpack_from("<H", fmt, 24)[0]  # the sub-format GUID starts with the format tag
+    if channels < 1 or block < channels:
+        raise ValueError(f"WAV header is inconsistent ({channels} channels, {block}-byte frames)")
+    width = block // channels
+    raw = raw[: len(raw) - len(raw) % block]
+    if tag == _WAV_FLOAT and width in (4, 8):
+        samples = np.frombuffer(raw, dtype="<f4" if width == 4 else "<f8").astype(np.float32)
+    elif tag == _WAV_PCM and width in _WAV_SCALE and bits <= 8 * width:
+        if width == 1:
+            samples = np.frombuffer(raw, dtype=np.uint8).astype(np.float32) - 128.0
+        elif width == 2:
+            samples = np.frombuffer(raw, dtype="<i2").astype(np.float32)
+        elif width == 3:
+            b = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 3)
+            wide = np.zeros((b.shape[0], 4), dtype=np.uint8)
+            wide[:, 1:] = b  # little-endian: the 3 bytes become the high bytes of an int32
+            samples = wide.view("<i4").reshape(-1).astype(np.float32) / 256.0
+        else:
+            samples = np.frombuffer(raw, dtype="<i4").astype(np.float32)
+        samples /= _WAV_SCALE[width]
     else:
-        raise ValueError(f"unsupported WAV sample width: {width} bytes")
-    samples /= _WAV_SCALE[width]
+        raise ValueError(f"unsupported WAV encoding: format {tag:#x}, {width}-byte samples")
     return samples.reshape(-1, channels).T.copy(), rate
 
 

@@ -96,6 +96,40 @@ def make_dataset(
     return instances
 
 
+class _StandardTransform:
+    """torchvision's ``StandardTransform`` (used when torchvision is not installed)."""
+
+    def __init__(self, transform: Callable | None, target_transform: Callable | None) -> None:
+        self.transform = transform
+        self.target_transform = target_transform
+
+    def __call__(self, sample: Any, target: Any) -> tuple[Any, Any]:
+        if self.transform is not None:
+            sample = self.transform(sample)
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return sample, target
+
+    def __repr__(self) -> str:
+        body = [type(self).__name__.lstrip("_")]
+        for head, fn in (("Transform: ", self.transform), ("Target transform: ", self.target_transform)):
+            if fn is not None:
+                lines = repr(fn).splitlines()
+                body += [head + lines[0]] + [" " * len(head) + line for line in lines[1:]]
+        return "\n".join(body)
+
+
+def _standard_transform(transform: Callable | None, target_transform: Callable | None) -> Any:
+    """The ``transforms`` attribute torchvision datasets have (None when both are None)."""
+    if transform is None and target_transform is None:
+        return None
+    try:
+        from torchvision.datasets.vision import StandardTransform
+    except ImportError:
+        return _StandardTransform(transform, target_transform)
+    return StandardTransform(transform, target_transform)
+
+
 class ArchiveDatasetFolder(Dataset):
     """torchvision's ``DatasetFolder`` whose root may be an archive (``data.zip::train``).
 
@@ -120,6 +154,7 @@ class ArchiveDatasetFolder(Dataset):
         self.root = os.path.expanduser(root) if isinstance(root, str) else root
         self.transform = transform
         self.target_transform = target_transform
+        self.transforms = _standard_transform(transform, target_transform)
         self.tree = resolve_root(self.root, cache_size=cache_size, **(open_options or {}))
         classes, class_to_idx = self.find_classes(self.root)
         samples = self.make_dataset(
@@ -158,7 +193,12 @@ class ArchiveDatasetFolder(Dataset):
 
     def find_classes(self, directory: str | os.PathLike) -> tuple[list[str], dict[str, int]]:
         """Override to change what a class is (torchvision's hook, same arguments)."""
-        return find_classes(self.tree if directory is self.root else directory)
+        if directory is not self.root:
+            return find_classes(directory)
+        try:
+            return find_classes(self.tree)
+        except FileNotFoundError:  # name the root as it was given, like torchvision
+            raise FileNotFoundError(f"Couldn't find any class folder in {self.root}.") from None
 
     @property
     def root_path(self) -> str:
@@ -204,13 +244,11 @@ class ArchiveDatasetFolder(Dataset):
         return len(self.samples)
 
     def __repr__(self) -> str:
-        lines = [f"Dataset {type(self).__name__}", f"    Number of datapoints: {len(self)}"]
-        lines.append(f"    Root location: {self.root_path}")
-        for name in ("transform", "target_transform"):
-            fn = getattr(self, name)
-            if fn is not None:
-                lines.append(f"    {name}: " + repr(fn).replace("\n", "\n    "))
-        return "\n".join(lines)
+        """torchvision's ``VisionDataset`` layout, line for line."""
+        body = [f"Number of datapoints: {len(self)}", f"Root location: {self.root}"]
+        if self.transforms is not None:
+            body.append(repr(self.transforms))  # one item: only its first line is indented
+        return "\n".join([f"Dataset {type(self).__name__}"] + ["    " + line for line in body])
 
 
 class ArchiveImageFolder(ArchiveDatasetFolder):

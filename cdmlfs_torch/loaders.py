@@ -43,9 +43,14 @@ def pil_loader(path: str | os.PathLike) -> Any:
     The whole member is read in one call and decoded from memory: images are
     small, and one read beats PIL's many small reads through a file object.
     """
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
-    with Image.open(io.BytesIO(read_sample(path))) as img:
+    data = read_sample(path)
+    try:
+        img = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError as exc:  # name the sample, as PIL does for a file opened by path
+        raise UnidentifiedImageError(f"cannot identify image file {os.fspath(path)!r}") from exc
+    with img:
         return img.convert("RGB")
 
 
@@ -73,7 +78,10 @@ def tensor_loader(path: str | os.PathLike) -> Any:
     if _torchvision_decodes(data[:12]):
         from torchvision.io import ImageReadMode, decode_image
 
-        return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        img = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        if img.dtype != torch.uint8:  # 16-bit PNGs decode to uint16: keep their high byte
+            img = (img.to(torch.int32) >> 8).to(torch.uint8)
+        return img
     import numpy as np
     from PIL import Image
 

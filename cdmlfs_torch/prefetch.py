@@ -153,7 +153,7 @@ class GPUPrefetchLoader:
             if stat is not None and stat.numel() != channels:
                 raise ValueError(f"{name} has {stat.numel()} values but the images have {channels} channels")
         fmt = torch.channels_last if self.channels_last else torch.preserve_format
-        out = images.to(torch.float32, memory_format=fmt)
+        out = images.to(torch.float32, memory_format=fmt, copy=True)  # never the caller's tensor
         out.div_(255)
         if mean is not None:
             out.sub_(mean)

@@ -38,7 +38,7 @@ import shutil
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from cdmlfs.errors import CdmlfsError, NotFoundError
+from cdmlfs.errors import ArchiveFormatError, CdmlfsError, NotFoundError, UsageError
 from cdmlfs.safe_write import check_inside, write_atomically
 from cdmlfs_torch import handles
 
@@ -195,8 +195,22 @@ class ArchiveTree(Tree):
         return handles.get_archive(self.location, **self.open_kwargs)
 
     def check(self) -> ArchiveTree:
-        """Open the archive now and make sure the folder exists (errors at construction, not in workers)."""
-        archive = self.archive
+        """Open the archive now and make sure the folder exists (errors at construction, not in workers).
+
+        The errors are the OSErrors torchvision's folders give for a root on disk: a
+        missing archive is FileNotFoundError, a file that is no archive NotADirectoryError.
+        """
+        if not is_uri(self.location) and not os.path.lexists(self.location):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), self.location)
+        try:
+            archive = self.archive
+        except ArchiveFormatError as exc:
+            why = f"{os.strerror(errno.ENOTDIR)} (not an archive cdmlfs reads: {exc})"
+            raise NotADirectoryError(errno.ENOTDIR, why, self.location) from exc
+        except UsageError as exc:
+            if "no such" in str(exc):  # an S3 object or a file that is not there
+                raise FileNotFoundError(errno.ENOENT, str(exc), self.location) from exc
+            raise
         if self.inner and not archive.isdir(self.inner):
             if archive.exists(self.inner):
                 raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), self.root_path)

@@ -193,6 +193,39 @@ def _first_channel_sum(sample):
     return waveform[0].sum()
 
 
+def _riff_wav(tag: int, channels: int, bits: int, payload: bytes, extensible: bool = False) -> bytes:
+    """A WAV as other tools write it: IEEE float (3) or WAVE_FORMAT_EXTENSIBLE headers."""
+    block = channels * bits // 8
+    fmt = struct.pack("<HHIIHH", 0xFFFE if extensible else tag, channels, 16000, 16000 * block, block, bits)
+    if extensible:  # cbSize, valid bits, channel mask, then the sub-format GUID (tag first)
+        fmt += struct.pack("<HHI", 22, bits, 0) + struct.pack("<H", tag) + bytes(14)
+    body = (
+        b"WAVE"
+        + b"fmt "
+        + struct.pack("<I", len(fmt))
+        + fmt
+        + b"data"
+        + struct.pack("<I", len(payload))
+        + payload
+    )
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def test_wav_float_and_extensible_headers_decode() -> None:
+    """Python 3.11's wave module refuses both (``unknown format: 3`` / ``65534``); torchaudio reads them."""
+    floats = [[0.5, -0.25], [1.0, 0.0], [-1.0, 0.125]]
+    payload = struct.pack("<6f", *(v for frame in floats for v in frame))
+    arr, rate = decode_wav_numpy(_riff_wav(3, 2, 32, payload))
+    assert rate == 16000 and arr.dtype == np.float32
+    assert arr.tolist() == [list(c) for c in zip(*floats)]
+    plain, _ = decode_wav_numpy(FILES["clips/a/one.wav"])
+    pcm = struct.pack("<6h", 0, 1000, -32768, 32767, 16384, -16384)
+    ext, _ = decode_wav_numpy(_riff_wav(1, 2, 16, pcm, extensible=True))
+    assert np.array_equal(ext, plain)
+    with pytest.raises(ValueError, match="unsupported WAV"):
+        decode_wav_numpy(_riff_wav(2, 1, 16, b"\0\0"))  # MS ADPCM
+
+
 def test_wav_numpy_without_torch() -> None:
     arr, rate = decode_wav_numpy(FILES["clips/a/one.wav"])
     assert isinstance(arr, np.ndarray) and arr.dtype == np.float32 and rate == 8000

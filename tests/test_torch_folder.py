@@ -193,6 +193,18 @@ def test_tensor_loader_equals_torchvision_io(trees: dict[str, Path]) -> None:
     assert kinds == {"torchvision", "pil"}
 
 
+def test_tensor_loader_gives_uint8_for_16_bit_pngs(tmp_path: Path) -> None:
+    """decode_image keeps 16 bits (uint16, which default_collate cannot stack with uint8 images)."""
+    deep = np.arange(0, 65536, 4096, dtype=np.uint16).reshape(4, 4)
+    png = tmp_path / "deep.png"
+    Image.fromarray(deep).save(png)
+    with zipfile.ZipFile(tmp_path / "deep.zip", "w") as zf:
+        zf.write(png, "a/deep.png")
+    x = tensor_loader(f"{tmp_path / 'deep.zip'}::a/deep.png")
+    assert x.dtype == torch.uint8 and x.shape == (3, 4, 4)
+    assert torch.equal(x[0], torch.from_numpy((deep >> 8).astype(np.uint8)))
+
+
 def test_whole_archive_and_directory_roots(trees: dict[str, Path]) -> None:
     top = ArchiveImageFolder(str(trees["zip"]), allow_empty=True)  # classes: train, val (empty)
     assert top.classes == ["train", "val"]
@@ -332,6 +344,30 @@ def test_missing_roots(trees: dict[str, Path], tmp_path: Path) -> None:
         ArchiveImageFolder(f"{zip_path}/no/such/folder")
     with pytest.raises(NotADirectoryError):
         ArchiveImageFolder(f"{zip_path}::train/cat/b.jpg")
+    # As ImageFolder answers for a root on disk: OSErrors, not cdmlfs's own error types.
+    with pytest.raises(FileNotFoundError):
+        ArchiveImageFolder(f"{tmp_path / 'nope.zip'}::train")
+    not_archive = tmp_path / "notes.txt"
+    not_archive.write_text("hello")
+    with pytest.raises(NotADirectoryError):
+        ArchiveImageFolder(str(not_archive))
+    # No class folder at the root: the message names the root as given, not an internal form.
+    empty = tmp_path / "flat.zip"
+    with zipfile.ZipFile(empty, "w") as zf:
+        zf.writestr("a.png", b"x")
+    with pytest.raises(FileNotFoundError, match=f"Couldn't find any class folder in {empty}\\.$"):
+        ArchiveImageFolder(str(empty))
+
+
+def test_transforms_attribute_and_repr_match_torchvision(trees: dict[str, Path]) -> None:
+    tf = transforms.Compose([transforms.Resize(8), transforms.ToTensor()])
+    for kw in ({}, {"transform": tf}, {"transform": tf, "target_transform": transforms.Lambda(int)}):
+        theirs = ImageFolder(str(trees["extracted"]), **kw)
+        ours = ArchiveImageFolder(f"{trees['zip']}::train", **kw)
+        assert repr(ours.transforms) == repr(theirs.transforms)
+        assert repr(ours).replace(f"{trees['zip']}::train", "ROOT") == repr(theirs).replace(
+            str(trees["extracted"]), "ROOT"
+        ).replace("Dataset ImageFolder", "Dataset ArchiveImageFolder")
 
 
 def test_allow_empty_keeps_empty_classes(tmp_path: Path) -> None:
@@ -425,3 +461,21 @@ def test_bad_samples_raise_oserror_like_files_on_disk(tmp_path: Path) -> None:
         ds[by_name["corrupt.png0"]]
     assert err.value.errno == errno.EIO and "CRC" in str(err.value)
     assert ds[by_name["good.png1"]][1] == 1
+    z = tmp_path / "odd.zip"  # a new location: handles are kept per location
+    with zipfile.ZipFile(z, "w") as zf:
+        zf.write(good, "cat/good.png")
+        zf.writestr("bird/not_an_image.png", b"plain text")
+        for name, target in (("bird/loop_a.png", "loop_b.png"), ("bird/loop_b.png", "loop_a.png")):
+            info = zipfile.ZipInfo(name)
+            info.external_attr = (0o120777 << 16) | 0x20
+            info.create_system = 3
+            zf.writestr(info, target)
+    ds = ArchiveImageFolder(str(z))
+    by_name = {os.path.basename(p): i for i, (p, _) in enumerate(ds.samples)}
+    from PIL import UnidentifiedImageError
+
+    with pytest.raises(UnidentifiedImageError, match=r"bird/not_an_image\.png"):  # names the sample
+        ds[by_name["not_an_image.png"]]
+    with pytest.raises(OSError) as err:
+        ds[by_name["loop_a.png"]]
+    assert err.value.errno == errno.ELOOP  # as on disk: not a FileNotFoundError

@@ -114,6 +114,19 @@ def test_channels_last_dtype_and_custom_image_rule() -> None:
     assert x.dtype == torch.uint8
 
 
+def test_float_images_chosen_by_is_image_are_not_changed_in_place() -> None:
+    """``to(float32)`` of a float32 tensor is that tensor: normalising wrote into the loader's own
+    batches (a second pass over a TensorDataset then saw them divided by 255 again)."""
+    images = torch.full((2, 3, 4, 4), 255.0)
+    loader = GPUPrefetchLoader(
+        DataLoader(TensorDataset(images), batch_size=None), device="cpu", is_image=lambda t: t.dim() == 3
+    )
+    for _ in range(2):
+        out = [batch[0] for batch in loader]
+        assert all(torch.equal(x, torch.ones(3, 4, 4)) for x in out)
+    assert torch.equal(images, torch.full((2, 3, 4, 4), 255.0))
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="same number of channels"):
         GPUPrefetchLoader(image_loader(), device="cpu", mean=(0.5, 0.5, 0.5), std=(0.5,))
