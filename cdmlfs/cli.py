@@ -151,7 +151,15 @@ def _memory_available_to_us() -> int:
 
 # -- commands -------------------------------------------------------------------
 def cmd_mount(args: argparse.Namespace) -> int:
-    from cdmlfs.daemon import ServeOptions, human_bytes, log_path_for, mount_daemon, serve
+    from cdmlfs.daemon import (
+        ServeOptions,
+        check_log_file,
+        claim_mountpoint,
+        human_bytes,
+        log_path_for,
+        mount_daemon,
+        serve,
+    )
     from cdmlfs.mountpoints import check_mountpoint
 
     fuse_options = parse_fuse_options(args.options or [])
@@ -165,6 +173,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
             f"({human_bytes(memory)}): the cache would never be bounded"
         )
     mountpoint = check_mountpoint(args.mountpoint, allow_nonempty=nonempty)
+    claim_mountpoint(mountpoint)  # held by this process and its daemon: one mount per directory
+    log_file = args.log_file or log_path_for(mountpoint)
+    if not args.foreground:
+        check_log_file(log_file, default=not args.log_file)
     if not os.path.exists("/dev/fuse"):
         raise CdmlfsError(
             "/dev/fuse is missing: load the fuse module or run the container with --device /dev/fuse"
@@ -183,7 +195,6 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if args.foreground:
         serve(archive, opts)
         return 0
-    log_file = args.log_file or log_path_for(mountpoint)
     return mount_daemon(archive, opts, log_file, args.verbose)
 
 
@@ -304,10 +315,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"libfuse: {mfusepy._libfuse_path} (version {fuse_major}.{mfusepy.fuse_version_minor})")
     except Exception as exc:
         print(f"libfuse: unavailable ({exc})")
-    fast, why = fastpath.availability(fuse_major)
-    print(f"FUSE hot path: {'C' if fast else 'Python'} ({why})")
-    polling, why = fuseloop.availability(fuse_major)
-    print(f"FUSE loop: {'cdmlfs polling loop' if polling else 'libfuse'} ({why})")
+    if fuse_major is None:  # nothing can mount: the accelerators of the FUSE path do not apply
+        print("FUSE hot path: none (no libfuse)")
+        print("FUSE loop: none (no libfuse)")
+    else:
+        fast, why = fastpath.availability(fuse_major)
+        print(f"FUSE hot path: {'C' if fast else 'Python'} ({why})")
+        polling, why = fuseloop.availability(fuse_major)
+        print(f"FUSE loop: {'cdmlfs polling loop' if polling else 'libfuse'} ({why})")
     print(f"CPU idle: {fuseloop.cpu_idle()}")
     print(f"/dev/fuse: {'present' if os.path.exists('/dev/fuse') else 'missing'}")
     for tool in ("fusermount3", "fusermount"):

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import gc
+import hashlib
 import logging
 import os
 import select
+import signal
 import sys
 import threading
 import time
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 
 from cdmlfs import fastpath, fuseloop
 from cdmlfs.archive import Archive
-from cdmlfs.errors import CdmlfsError
+from cdmlfs.errors import CdmlfsError, UsageError
 from cdmlfs.fuse_ops import ArchiveOperations, load_mfusepy, make_fuse_class
 from cdmlfs.mountpoints import is_mounted, unmount
 
@@ -197,25 +200,91 @@ def set_readahead(mountpoint: str, nbytes: int) -> bool:
     return True
 
 
-def log_path_for(mountpoint: str) -> str:
+def _state_dir() -> str:
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    safe = os.path.abspath(mountpoint).strip("/").replace("/", "_") or "root"
-    return os.path.join(base, "cdmlfs", f"{safe}.log")
+    return os.path.join(base, "cdmlfs")
+
+
+def log_path_for(mountpoint: str) -> str:
+    """``<state>/cdmlfs/<mount point with / as _>-<hash>.log``: readable, and one file per mount point
+    (``/a_b/c`` and ``/a/b_c`` shared one before the hash)."""
+    path = os.path.abspath(mountpoint)
+    safe = path.strip("/").replace("/", "_")[-120:] or "root"
+    digest = hashlib.sha1(os.fsencode(path)).hexdigest()[:8]
+    return os.path.join(_state_dir(), f"{safe}-{digest}.log")
+
+
+def claim_mountpoint(mountpoint: str, wait: float = 5.0) -> int | None:
+    """Hold a lock on ``mountpoint`` for as long as this process (or its daemon child) lives.
+
+    Two ``cdmlfs mount`` commands on one empty directory both passed the
+    "already mounted" check (made before the slow archive open) and stacked two
+    mounts. The lock is an open file description with ``flock``: a forked daemon
+    shares it, and the kernel drops it when the last holder exits (a killed
+    daemon included). A daemon that is still exiting after ``cdmlfs umount`` is
+    waited for briefly. Returns the lock's fd, or None where no lock file can be
+    made (a read-only home): the mount then goes ahead without one.
+    """
+    lock_dir = os.path.join(_state_dir(), "locks")
+    name = hashlib.sha1(os.fsencode(os.path.realpath(mountpoint))).hexdigest()[:20] + ".lock"
+    try:
+        os.makedirs(lock_dir, exist_ok=True)
+        fd = os.open(os.path.join(lock_dir, name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        log.debug("no mount point lock (%s)", exc)
+        return None
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise UsageError(
+                    f"{mountpoint}: already mounted, or being mounted, by another cdmlfs"
+                ) from None
+            time.sleep(0.05)
+
+
+def check_log_file(log_file: str, default: bool) -> None:
+    """Fail before forking (one line) when the daemon could not write its log there."""
+    parent = os.path.dirname(os.path.abspath(log_file))
+    if default:
+        with contextlib.suppress(OSError):
+            os.makedirs(parent, exist_ok=True)
+    if os.path.isdir(log_file):
+        raise UsageError(f"--log-file {log_file}: is a directory")
+    if not os.path.isdir(parent):
+        raise UsageError(f"--log-file {log_file}: no such directory {parent}")
+    try:
+        with open(log_file, "a"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--log-file {log_file}: cannot write it ({exc.strerror})") from None
 
 
 def mount_daemon(archive: Archive, opts: ServeOptions, log_file: str, verbose: bool) -> int:
-    """Fork a daemon that serves ``archive``; return an exit code once the mount answers (or fails)."""
-    os.makedirs(os.path.dirname(log_file), exist_ok=True)
+    """Fork a daemon that serves ``archive``; return an exit code once the mount answers (or fails).
+
+    Interrupted while waiting (Ctrl-C, SIGTERM), or timed out, it stops the
+    daemon and removes the mount: a command that did not succeed leaves nothing.
+    """
     log_start = os.path.getsize(log_file) if os.path.exists(log_file) else 0
     rfd, wfd = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
+    # No signal between fork and the handlers below: the child would inherit a half-done state.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     pid = os.fork()
     if pid == 0:  # child: become the daemon
         os.close(rfd)
         code = 1
         try:
             os.setsid()
+            for sig in _STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
             _redirect_stdio(log_file)
             _configure_daemon_logging(verbose)
             serve(archive, opts, ready_fd=wfd)
@@ -226,18 +295,51 @@ def mount_daemon(archive: Archive, opts: ServeOptions, log_file: str, verbose: b
             logging.shutdown()
             os._exit(code)
     os.close(wfd)
-    ok = _wait_ready(rfd, pid)
-    os.close(rfd)
-    if ok and _answers(opts.mountpoint):
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+        ok = _wait_ready(rfd, pid) and _answers(opts.mountpoint)
+    except BaseException:
+        _abandon(pid, opts.mountpoint)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        os.close(rfd)
+    if ok:
         if verbose:
             print(f"cdmlfs: mounted {archive.location} on {opts.mountpoint} (pid {pid}, log {log_file})")
         return 0
     reason = _last_log_line(log_file, log_start) or "the daemon exited before the mount was ready"
-    if is_mounted(opts.mountpoint):
-        with contextlib.suppress(CdmlfsError):
-            unmount(opts.mountpoint)
+    _abandon(pid, opts.mountpoint)
     print(f"cdmlfs: mount failed: {reason} (log: {log_file})", file=sys.stderr)
     return 1
+
+
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _abandon(pid: int, mountpoint: str) -> None:
+    """Stop a daemon whose mount did not succeed (or was interrupted) and remove its mount."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)  # it unmounts on SIGTERM once serving
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                break
+        time.sleep(0.05)
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    if is_mounted(mountpoint):
+        with contextlib.suppress(CdmlfsError):
+            unmount(mountpoint)
 
 
 def _wait_ready(rfd: int, pid: int) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import struct
 import tempfile
 import zlib
@@ -71,7 +72,13 @@ class IndexStore:
         """The payload saved for exactly this identity and kind, or None (absent, stale or corrupt)."""
         path = self.path_for(identity)
         try:
-            with open(path, "rb") as f:
+            # Non-blocking and regular files only: a FIFO (or a link to /dev/zero) put there would
+            # hang the mount or feed it gigabytes.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            with open(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    log.warning("index file %s is not a regular file: rebuilding the index", path)
+                    return None
                 raw = f.read(MAX_INDEX_FILE + HEADER.size + 1)
         except FileNotFoundError:
             return None

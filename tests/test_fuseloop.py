@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -126,3 +128,13 @@ def test_doctor_reports_how_idle_cpus_wait() -> None:
 
     out = run_cli("doctor", check=True).stdout.decode()
     assert f"CPU idle: {fuseloop.cpu_idle()}\n" in out
+
+
+def test_doctor_without_libfuse_claims_no_fuse_accelerator(tmp_path: Path) -> None:
+    """With libfuse missing nothing mounts: doctor said "FUSE hot path: C" all the same."""
+    env = {**os.environ, "FUSE_LIBRARY_PATH": str(tmp_path / "no-libfuse.so")}
+    out = subprocess.run(
+        [sys.executable, "-m", "cdmlfs", "doctor"], env=env, capture_output=True, check=True
+    ).stdout.decode()
+    assert "libfuse: unavailable" in out
+    assert "FUSE hot path: none" in out and "FUSE loop: none" in out

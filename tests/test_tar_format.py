@@ -118,6 +118,50 @@ def test_stale_and_corrupt_index_files_are_rebuilt(tmp_path: Path, many_files: P
         assert ar.format.index_source == "cache"
 
 
+@pytest.mark.parametrize("how", ["replaced", "rewritten in place"])
+def test_an_index_is_not_trusted_for_other_bytes_with_the_same_size_and_mtime(
+    how: str, tmp_path: Path
+) -> None:
+    """Same path, same size, mtime put back (touch -r): a persisted index served y's bytes as x.
+    The identity also holds the inode (a replaced file) and the ctime (written in place)."""
+    archive = tmp_path / "w.tar"
+
+    def write(order: list[str], path: Path) -> None:
+        with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
+            for name in order:
+                info = tarfile.TarInfo(name)
+                info.size = 5
+                tf.addfile(info, io.BytesIO(name[0].upper().encode() * 5))
+
+    write(["x.txt", "y.txt"], archive)
+    with Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.read("x.txt") == b"XXXXX"
+    st = archive.stat()
+    other = tmp_path / "other.tar"
+    write(["y.txt", "x.txt"], other)
+    assert other.stat().st_size == st.st_size
+    if how == "replaced":
+        other.replace(archive)
+    else:
+        archive.write_bytes(other.read_bytes())
+    os.utime(archive, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.format.index_source == "scan"
+        assert ar.read("x.txt") == b"XXXXX"
+
+
+def test_an_index_file_that_is_a_fifo_does_not_hang(tmp_path: Path, many_files: Path) -> None:
+    archive = gnu_tar(tmp_path / "a.tar", many_files, "pax")
+    idx = tmp_path / "idx"
+    with Archive(str(archive), index_dir=str(idx)) as ar:
+        identity = ar.source.identity
+    path = IndexStore(str(idx)).path_for(identity)
+    os.unlink(path)
+    os.mkfifo(path)
+    with Archive(str(archive), index_dir=str(idx)) as ar:  # a blocking open() waited forever here
+        assert ar.format.index_source == "scan"
+
+
 def test_index_dir_default_respects_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_index_dir() == str(tmp_path / "xdg" / "cdmlfs" / "index")

@@ -9,6 +9,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import zipfile
@@ -241,6 +242,8 @@ def test_cli_errors_are_one_line_and_leave_no_mount(tmp_path: Path, mnt: Path) -
         ("ls", "--read-deadline", "0", "s3://bucket/key.zip"),
         ("cat", str(good), "no/such/member"),
         ("umount", str(mnt)),
+        ("mount", str(good), str(mnt), "--log-file", str(tmp_path)),  # a directory: checked before forking
+        ("mount", str(good), str(mnt), "--log-file", str(tmp_path / "no" / "such" / "dir.log")),
     ]
     for args in cases:
         res = run_cli(*args, timeout=60)
@@ -256,6 +259,48 @@ def test_cli_errors_are_one_line_and_leave_no_mount(tmp_path: Path, mnt: Path) -
     with mounted(good, mnt):
         res = run_cli("mount", str(good), str(mnt))
         assert res.returncode != 0 and "already mounted" in res.stderr.decode()
+
+
+def test_two_mounts_racing_for_one_directory_make_one_mount(tmp_path: Path, mnt: Path) -> None:
+    """Both checked "not mounted" before their (slow) archive open, then both mounted: a stacked,
+    hidden mount and a second daemon. The mount point lock lets one through."""
+    good = python_zip(tmp_path / "good.zip", sample_files())
+    cmd = [sys.executable, "-m", "cdmlfs", "mount", str(good), str(mnt)]
+    procs = [subprocess.Popen(cmd, stderr=subprocess.PIPE) for _ in range(2)]
+    try:
+        results = [(p.wait(timeout=60), p.stderr.read().decode()) for p in procs]
+        assert sorted(code for code, _ in results) == [0, 2], results
+        assert "already mounted" in next(err for code, err in results if code)
+        with open("/proc/self/mountinfo") as f:
+            assert sum(f" {mnt} " in line for line in f) == 1
+    finally:
+        run_cli("umount", str(mnt))
+    assert not is_mounted(mnt)
+
+
+def test_mount_interrupted_after_the_fork_leaves_nothing(tmp_path: Path, mnt: Path) -> None:
+    """Ctrl-C (or SIGTERM) while ``cdmlfs mount`` waits for its daemon: the daemon and the mount
+    stayed. Whenever the signal lands, a command that did not succeed leaves nothing behind."""
+    good = python_zip(tmp_path / "good.zip", sample_files())
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cdmlfs", "mount", str(good), str(mnt)], stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + 30
+        children: list[str] = []
+        while not children and proc.poll() is None and time.monotonic() < deadline:
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                children = f.read().split()
+        proc.send_signal(sig)
+        code = proc.wait(timeout=30)
+        time.sleep(0.5)
+        if code == 0:  # the mount was complete before the signal arrived: a normal mount
+            run_cli("umount", str(mnt))
+        assert not is_mounted(mnt), (sig, code)
+        for child in children:
+            assert (
+                not os.path.exists(f"/proc/{child}") or "zombie" in Path(f"/proc/{child}/status").read_text()
+            )
 
 
 def test_umount_refuses_what_is_not_fuse(tmp_path: Path) -> None:

@@ -8,13 +8,16 @@ from typing import NamedTuple, Protocol, runtime_checkable
 class SourceIdentity(NamedTuple):
     """What makes two openings of a source the same bytes.
 
-    Used as a key for persisted indexes and to detect an archive replaced while
-    mounted: ``location`` plus either (size, mtime_ns) for a file or an ETag.
+    Used as a key for persisted indexes and by a pickled Archive to refuse another
+    version when it reopens: ``location`` plus either (size, mtime, ctime, device
+    and inode) for a file or (size, ETag) for an object. S3 reads are also pinned
+    to the ETag while open; a local file changed in place while open is caught
+    only by the formats' own checks (ZIP CRCs, zstd checksums; plain tar has none).
     """
 
     location: str
     size: int
-    version: str  # mtime_ns for local files, ETag for objects
+    version: str  # mtime.ctime.dev.inode for local files, ETag for objects
 
     def key(self) -> str:
         return f"{self.location}\0{self.size}\0{self.version}"

@@ -32,7 +32,12 @@ class LocalFile:
         os.set_blocking(fd, True)  # pread ignores it on files; keep the descriptor ordinary anyway
         self._fd = fd
         self.size = st.st_size if stat.S_ISREG(st.st_mode) else os.lseek(fd, 0, os.SEEK_END)
-        self.identity = SourceIdentity(self.path, self.size, str(st.st_mtime_ns))
+        # mtime alone missed a file rewritten in place or replaced by a same-sized one with its
+        # mtime put back (touch -r): a persisted tar index was then trusted for other bytes. The
+        # inode changes when a file is replaced, the ctime on any write (and touch cannot set it).
+        self.identity = SourceIdentity(
+            self.path, self.size, f"{st.st_mtime_ns}.{st.st_ctime_ns}.{st.st_dev}.{st.st_ino}"
+        )
         self.mtime = st.st_mtime
         self.bytes_read = 0  # through read_at (for cdmlfs stats)
 
