@@ -96,6 +96,30 @@ def _lzma_zip_filters(header: bytes, size: int | None = None) -> list[dict]:
     return [{"id": lzma.FILTER_LZMA1, "lc": lc, "lp": lp, "pb": pb, "dict_size": dict_size}]
 
 
+BZIP2_WINDOW = 4 << 20  # bzip2's decoder needs about 3.7 MB at most (900k blocks)
+
+
+def window_size(source: Source, method: int, offset: int, comp_size: int, size: int) -> int:
+    """About how much memory a decoder of this member holds outside the cache (its window).
+
+    Read from the member's own header where it says (zstd frame header, LZMA
+    properties), never more than the member's size; xz is taken at its limit.
+    """
+    try:
+        if method == ZSTD:
+            from cdmlfs.zstd_seekable import parse_frame_header
+
+            head = source.read_at(offset, min(18, comp_size))
+            return min(parse_frame_header(head).window_size, size)
+        if method == LZMA:
+            return _lzma_zip_filters(source.read_at(offset, min(9, comp_size)), size)[0]["dict_size"]
+    except (ValueError, CorruptMemberError, UnsupportedMethodError, SourceError):
+        return 0  # opening the decoder reports it
+    if method == BZIP2:
+        return min(BZIP2_WINDOW, size)
+    return min(MAX_WINDOW, size)
+
+
 def open_stream(source: Source, method: int, offset: int, comp_size: int, size: int | None = None):
     """A file-like object with bounded ``read(n)`` over member ``method`` data at ``offset``.
 

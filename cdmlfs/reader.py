@@ -84,12 +84,13 @@ class ArchiveFormat(Protocol):
 class _Forward:
     """A forward-only decoder positioned at ``pos`` of a member's output (``crc``: of bytes before it)."""
 
-    __slots__ = ("crc", "evicted", "lock", "pos", "stream")
+    __slots__ = ("crc", "evicted", "lock", "pos", "stream", "window")
 
     def __init__(self, stream) -> None:
         self.stream = stream
         self.pos = 0
         self.crc = 0
+        self.window = 0  # memory its decoder holds outside the cache (decoders.window_size)
         self.evicted = False  # dropped from the table while a reader used it: that reader closes it
         self.lock = threading.Lock()
 
@@ -497,9 +498,10 @@ class ExtentReader:
                 return chunk
             if fw.stream is None or fw.pos > k * spacing:
                 fw.close()
-                fw.stream = decoders.open_stream(
-                    self.source, ix.method[eid], self.fmt.data_offset(eid), ix.comp_size[eid], total
-                )
+                at, comp = self.fmt.data_offset(eid), ix.comp_size[eid]
+                fw.window = decoders.window_size(self.source, ix.method[eid], at, comp, total)
+                self._make_room_for_window(eid, fw.window)
+                fw.stream = decoders.open_stream(self.source, ix.method[eid], at, comp, total)
                 fw.pos = 0
                 fw.crc = 0
             try:
@@ -527,6 +529,19 @@ class ExtentReader:
                             del self._forward[eid]
                     if self.cache.trim_hook is not None:
                         self.cache.trim_hook()  # the window was heap memory: give it back now
+
+    def _make_room_for_window(self, eid: int, window: int) -> None:
+        """Close other forward decoders (oldest first) until theirs and this window fit one decode's
+        budget: four zstd members with 128 MiB windows held 546 MiB next to a 16 MiB cache."""
+        with self._lock:
+            held = sum(f.window for e, f in self._forward.items() if e != eid and f.stream is not None)
+            for other in list(self._forward):
+                if held + window <= self.whole_limit:
+                    break
+                if other != eid:
+                    fw = self._forward.pop(other)
+                    held -= fw.window if fw.stream is not None else 0
+                    fw.evict()
 
     def _finish_forward(self, eid: int, fw: _Forward) -> None:
         """A forward decoder reached the member's end: check it, then let its window go."""

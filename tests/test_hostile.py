@@ -441,6 +441,26 @@ def test_tar_zst_decoder_windows_stay_within_one_decode_budget() -> None:
         assert stream._cursors[next(iter(stream._cursors))].window == 8 << 20
 
 
+def test_zip_stream_decoder_windows_stay_within_one_decode_budget(tmp_path: Path) -> None:
+    """The same bound for ZIP members (zstd, LZMA, xz) read through forward decoders: four zstd
+    members with 128 MiB windows took a 16 MiB-cache daemon to 546 MiB."""
+    import zstandard
+
+    params = zstandard.ZstdCompressionParameters.from_level(1, window_log=23)
+    data = bytes(range(256)) * (24 << 12)  # 24 MiB, more than one decode's budget of a 16M cache
+    comp = zstandard.ZstdCompressor(compression_params=params).compress(data)
+    members = [craft.ZipMember(f"m{i}.bin".encode(), comp, 93, zlib.crc32(data), len(data)) for i in range(4)]
+    with _open(craft.build_zip(members), tmp_path, cache=16 << 20) as ar:
+        reader = ar.reader
+        for _ in range(2):
+            for i in range(4):
+                assert ar.read(f"m{i}.bin", 1 << 20, 100) == data[1 << 20 : (1 << 20) + 100]  # a restart
+                windows = [fw.window for fw in reader._forward.values() if fw.stream is not None]
+                assert sum(windows) <= max(reader.whole_limit, max(windows)), windows
+        live = [fw for fw in reader._forward.values() if fw.stream is not None]
+        assert len(live) == 1 and live[0].window == 8 << 20
+
+
 def test_nested_zip_bombs_are_just_bytes() -> None:
     """A ZIP inside a ZIP inside a ZIP (the classic 42.zip shape): never opened recursively, so the
     inner bombs cost nothing until someone reads them, and then they read as the bytes they are."""
