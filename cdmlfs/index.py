@@ -17,10 +17,17 @@ from array import array
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from cdmlfs.errors import IsADirectoryError_, NotADirectoryError_, NotFoundError
+from cdmlfs.errors import ArchiveFormatError, IsADirectoryError_, NotADirectoryError_, NotFoundError
 from cdmlfs.pathrules import normalize
 
 log = logging.getLogger(__name__)
+
+# Path bytes an index may hold: a base plus an allowance per archive entry. Ordinary archives stay
+# far below it (10 million entries of 120-byte paths: 1.2 GB of 41 GB allowed), while one entry
+# named a/a/.../a (64 KiB, 32,000 levels) implies 32,000 directories whose paths add up to 1 GiB
+# (three such entries, a 393 KB ZIP, took 3 GiB and 14 s to open).
+PATH_BYTES_BASE = 256 << 20
+PATH_BYTES_PER_ENTRY = 4 << 10
 
 # Entry kinds.
 FILE = 0
@@ -249,6 +256,8 @@ class IndexBuilder:
         self._dir_ids: dict[str, int] = {"": 0}
         self._dir_mtime = implied_dir_mtime
         self.dropped = 0
+        self._path_bytes = 0  # every path is held whole (list, dict keys): deep names cost depth**2
+        self._path_allowance = PATH_BYTES_BASE
         self._add_raw("", DIR, DEFAULT_DIR_MODE, implied_dir_mtime, 0, STORED, 0, 0, 0, 0, 0)
         self._index._lookup[""] = 0
 
@@ -268,6 +277,13 @@ class IndexBuilder:
     ) -> int:
         ix = self._index
         eid = len(ix.paths)
+        self._path_bytes += len(path)
+        if self._path_bytes > self._path_allowance:
+            raise ArchiveFormatError(
+                f"the paths of this archive's entries and of the directories they imply add up to more "
+                f"than {self._path_allowance >> 20} MiB of index memory ({len(ix.paths):,} paths so far; "
+                "names nested thousands of levels deep repeat their parent path for every level)"
+            )
         ix.paths.append(path)
         ix.kind.append(kind)
         ix.mode.append(mode & PERMISSION_BITS)
@@ -295,6 +311,7 @@ class IndexBuilder:
         flags: int = 0,
     ) -> int | None:
         """Add one archive entry; returns its id, or None when the path rules drop it."""
+        self._path_allowance += PATH_BYTES_PER_ENTRY
         if not -MAX_MTIME <= mtime <= MAX_MTIME:
             # NaN, infinities and times beyond time_t (a pax mtime is any decimal; embedded and
             # cached tables are raw doubles): stat of the entry, and so listing its directory,
@@ -333,13 +350,17 @@ class IndexBuilder:
 
     def _make_dirs(self, path: str) -> int:
         """Create the directories implied by a path; a directory wins over a file of the same path."""
-        missing = []
-        while path not in self._dir_ids:
-            missing.append(path)
-            path = path.rpartition("/")[0]
-        parent = self._dir_ids[path]
+        # Ends of the missing ancestors, deepest first; their paths are made one at a time, as
+        # they are added (all at once, a 32,000-level name held 1 GiB of prefixes before any check).
+        missing: list[int] = []
+        end = len(path)
+        while path[:end] not in self._dir_ids:
+            missing.append(end)
+            end = max(path.rfind("/", 0, end), 0)
+        parent = self._dir_ids[path[:end]]
         lookup = self._index._lookup
-        for p in reversed(missing):
+        for end in reversed(missing):
+            p = path[:end]
             if p in lookup:
                 log.warning("hiding member %r: it clashes with a directory of the same path", p)
                 self.dropped += 1

@@ -395,6 +395,17 @@ def test_five_thousand_levels_of_directories(tmp_path: Path) -> None:
         assert ar.stat("d0").nlink == 3
 
 
+def test_names_so_deep_their_implied_directories_exhaust_memory_are_refused(tmp_path: Path) -> None:
+    """Each implied directory holds its whole path: one 64 KiB name of 32,000 levels is 1 GiB of
+    index (three took 3 GiB and 14 s). The archive is refused with the reason, in bounded memory."""
+    deep = "a/" * 32_000 + "leaf.txt"
+    blob = craft.build_zip([craft.member(deep, b"bottom", method=0), craft.member("top", b"top")])
+    before = _maxrss_mib()
+    with time_limit(30), pytest.raises(ArchiveFormatError, match="nested thousands of levels"):
+        _open(blob, tmp_path)
+    assert _maxrss_mib() - before < 512
+
+
 def test_zip64_offsets_and_sizes_beyond_off_t_are_eio_not_a_failed_open(tmp_path: Path) -> None:
     """ZIP64 fields are unsigned 64-bit: an offset of 2**63 or more overflowed the index's signed offset
     column (OverflowError at open, so the whole archive failed); sizes that large wrapped in stat."""
