@@ -36,7 +36,9 @@ Rules for what the mount shows (documented in the README):
 * duplicates follow the ZIP rule (:mod:`cdmlfs.index`): the last one wins, a
   directory wins over a file of the same path;
 * an archive truncated inside a header ends the listing there (with a
-  warning); members whose data is cut off answer EIO; a corrupt header or a
+  warning); a member whose data is cut off keeps its declared size and reads
+  give EIO where its data ends (the bytes before are served, as ``tar -x``
+  writes them before it fails); a corrupt header or a
   corrupt zstd frame met while scanning refuses the archive (nothing after it
   could be located reliably).
 """
