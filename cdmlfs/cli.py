@@ -8,6 +8,7 @@ failure, 2 for a usage error. Tracebacks only with ``--verbose``.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import re
@@ -343,7 +344,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
     try:
         blob = os.getxattr(args.mountpoint, STATS_XATTR)
     except OSError as exc:
-        raise CdmlfsError(f"{args.mountpoint}: cannot read stats: {exc.strerror}") from None
+        hint = ""
+        if exc.errno == errno.ENOTCONN:
+            hint = f" (its daemon is gone: 'cdmlfs umount {args.mountpoint}' clears it; the log says why)"
+        raise CdmlfsError(f"{args.mountpoint}: cannot read stats: {exc.strerror}{hint}") from None
     stats = json.loads(blob)
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))

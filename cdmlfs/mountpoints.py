@@ -92,6 +92,15 @@ def unmount(path: str, timeout: float = 10.0) -> None:
     entry = mount_entry(target)
     if entry is None and not _is_dead(target):
         raise UsageError(f"{path}: not mounted")
+    if entry is None:  # dead, but not a mount point itself: a path inside a dead mount?
+        parent = os.path.dirname(target)
+        while parent != os.path.dirname(parent):
+            above = mount_entry(parent)
+            if above is not None:
+                if above["fstype"].startswith("fuse") and _is_dead(parent):
+                    raise UsageError(f"{path}: inside the dead mount {parent}; run 'cdmlfs umount {parent}'")
+                break
+            parent = os.path.dirname(parent)
     if entry is not None and not entry["fstype"].startswith("fuse"):
         raise UsageError(f"{path}: not a FUSE mount ({entry['fstype']}); unmount it with umount yourself")
     attempts = [[tool, "-u", target] for tool in ("fusermount3", "fusermount") if shutil.which(tool)]
