@@ -173,8 +173,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
             f"--cache-size {human_bytes(args.cache_size)} is more than this machine's memory "
             f"({human_bytes(memory)}): the cache would never be bounded"
         )
-    mountpoint = check_mountpoint(args.mountpoint, allow_nonempty=nonempty)
-    claim_mountpoint(mountpoint)  # held by this process and its daemon: one mount per directory
+    check_mountpoint(args.mountpoint, allow_nonempty=nonempty)  # fail fast, before any wait
+    lock_fd = claim_mountpoint(args.mountpoint)  # one mount being set up per directory
+    mountpoint = check_mountpoint(args.mountpoint, allow_nonempty=nonempty)  # one may have finished
     log_file = args.log_file or log_path_for(mountpoint)
     if not args.foreground:
         check_log_file(log_file, default=not args.log_file)
@@ -192,6 +193,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         direct_io_min=None if args.direct_io_min == 0 else args.direct_io_min,
         readahead=args.readahead,
         poll_us=args.poll_us,
+        lock_fd=lock_fd,
     )
     if args.foreground:
         serve(archive, opts)
@@ -473,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="FUSE serving loop: single-threaded is fastest for local files, "
         "multithreaded for network sources (default: auto)",
     )
-    p.add_argument("--log-file", help="daemon log (default ~/.local/state/cdmlfs/<mountpoint>.log)")
+    p.add_argument("--log-file", help="daemon log (default ~/.local/state/cdmlfs/<mount point>-<hash>.log)")
     p.add_argument(
         "--direct-io-min",
         type=parse_size,

@@ -51,6 +51,7 @@ class ServeOptions:
     direct_io_min: int | None = None  # None: kernel no-open mode (see fuse_ops)
     readahead: int | None = DEFAULT_READAHEAD
     poll_us: int = fuseloop.DEFAULT_POLL_US  # single-threaded loop: poll this long between requests
+    lock_fd: int | None = None  # claim_mountpoint's lock: closed once the mount answers
 
     def multithreaded(self, archive: Archive) -> bool:
         if self.threads == "auto":
@@ -98,6 +99,9 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
     ops.serving = "multithreaded" if multithreaded else "single-threaded"
 
     def ready() -> None:
+        if opts.lock_fd is not None:  # the mount table guards the directory from now on
+            with contextlib.suppress(OSError):
+                os.close(opts.lock_fd)
         if ready_fd is not None:
             try:
                 os.write(ready_fd, READY)
@@ -214,16 +218,18 @@ def log_path_for(mountpoint: str) -> str:
     return os.path.join(_state_dir(), f"{safe}-{digest}.log")
 
 
-def claim_mountpoint(mountpoint: str, wait: float = 5.0) -> int | None:
-    """Hold a lock on ``mountpoint`` for as long as this process (or its daemon child) lives.
+def claim_mountpoint(mountpoint: str, notice_after: float = 1.0) -> int | None:
+    """Hold a lock on ``mountpoint`` while a mount of it is being set up (see ``ServeOptions.lock_fd``).
 
     Two ``cdmlfs mount`` commands on one empty directory both passed the
     "already mounted" check (made before the slow archive open) and stacked two
-    mounts. The lock is an open file description with ``flock``: a forked daemon
-    shares it, and the kernel drops it when the last holder exits (a killed
-    daemon included). A daemon that is still exiting after ``cdmlfs umount`` is
-    waited for briefly. Returns the lock's fd, or None where no lock file can be
-    made (a read-only home): the mount then goes ahead without one.
+    mounts. The lock covers only the setting up: the daemon lets go of it once its
+    mount answers, and from then on the mount table says the directory is taken
+    (so a lazily unmounted daemon, or one in another mount namespace, blocks
+    nothing). The caller checks the mount point after this returns. The lock is
+    an open file description with ``flock``: a forked daemon shares it and the
+    kernel drops it when its last holder exits. Returns the fd, or None where no
+    lock file can be made (a read-only home): the mount then goes ahead without.
     """
     lock_dir = os.path.join(_state_dir(), "locks")
     name = hashlib.sha1(os.fsencode(os.path.realpath(mountpoint))).hexdigest()[:20] + ".lock"
@@ -233,17 +239,16 @@ def claim_mountpoint(mountpoint: str, wait: float = 5.0) -> int | None:
     except OSError as exc:
         log.debug("no mount point lock (%s)", exc)
         return None
-    deadline = time.monotonic() + wait
+    started = time.monotonic()
+    noticed = False
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return fd
         except BlockingIOError:
-            if time.monotonic() >= deadline:
-                os.close(fd)
-                raise UsageError(
-                    f"{mountpoint}: already mounted, or being mounted, by another cdmlfs"
-                ) from None
+            if not noticed and time.monotonic() - started >= notice_after:
+                print(f"cdmlfs: waiting for another cdmlfs that is mounting {mountpoint}", file=sys.stderr)
+                noticed = True
             time.sleep(0.05)
 
 
@@ -255,13 +260,14 @@ def check_log_file(log_file: str, default: bool) -> None:
             os.makedirs(parent, exist_ok=True)
     if os.path.isdir(log_file):
         raise UsageError(f"--log-file {log_file}: is a directory")
+    what = f"daemon log {log_file} (set --log-file)" if default else f"--log-file {log_file}"
     if not os.path.isdir(parent):
-        raise UsageError(f"--log-file {log_file}: no such directory {parent}")
+        raise UsageError(f"{what}: no such directory {parent}")
     try:
         with open(log_file, "a"):
             pass
     except OSError as exc:
-        raise UsageError(f"--log-file {log_file}: cannot write it ({exc.strerror})") from None
+        raise UsageError(f"{what}: cannot write it ({exc.strerror})") from None
 
 
 def mount_daemon(archive: Archive, opts: ServeOptions, log_file: str, verbose: bool) -> int:
@@ -295,10 +301,13 @@ def mount_daemon(archive: Archive, opts: ServeOptions, log_file: str, verbose: b
             logging.shutdown()
             os._exit(code)
     os.close(wfd)
+    if opts.lock_fd is not None:  # the daemon holds the mount point lock until its mount answers
+        os.close(opts.lock_fd)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
         ok = _wait_ready(rfd, pid) and _answers(opts.mountpoint)
+        reaped = not ok and _reaped(pid)
     except BaseException:
         _abandon(pid, opts.mountpoint)
         raise
@@ -310,7 +319,12 @@ def mount_daemon(archive: Archive, opts: ServeOptions, log_file: str, verbose: b
             print(f"cdmlfs: mounted {archive.location} on {opts.mountpoint} (pid {pid}, log {log_file})")
         return 0
     reason = _last_log_line(log_file, log_start) or "the daemon exited before the mount was ready"
-    _abandon(pid, opts.mountpoint)
+    if reaped:  # it exited on its own; its mount (if any) may still be listed
+        if is_mounted(opts.mountpoint):
+            with contextlib.suppress(CdmlfsError):
+                unmount(opts.mountpoint)
+    else:
+        _abandon(pid, opts.mountpoint)
     print(f"cdmlfs: mount failed: {reason} (log: {log_file})", file=sys.stderr)
     return 1
 
@@ -322,15 +336,26 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _reaped(pid: int) -> bool:
+    """Whether our child ``pid`` has exited (reaped now, or already by ``_wait_ready``)."""
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return done != 0
+
+
 def _abandon(pid: int, mountpoint: str) -> None:
     """Stop a daemon whose mount did not succeed (or was interrupted) and remove its mount."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)  # it unmounts on SIGTERM once serving
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
-        with contextlib.suppress(ChildProcessError):
+        try:
             if os.waitpid(pid, os.WNOHANG)[0]:
                 break
+        except ChildProcessError:  # already reaped (by _wait_ready): its pid may be someone else's now
+            break
         time.sleep(0.05)
     else:
         with contextlib.suppress(ProcessLookupError):

@@ -581,6 +581,15 @@ def test_one_bad_zip64_field_is_eio_and_the_rest_reads(label: str, extra: bytes,
             ar.read("bad.txt")
 
 
+def test_a_bad_zip64_field_on_a_directory_record_does_not_hide_its_files(tmp_path: Path) -> None:
+    """A directory has no data: its sizes are moot, and EIO on it made every file below unreachable."""
+    folder = craft.member("d/", b"", method=0, mode=0o40755, fields={"comp": 0xFFFFFFFF})
+    blob = craft.build_zip([folder, craft.member("d/f.txt", b"inside")])
+    with _open(blob, tmp_path) as ar:
+        assert ar.isdir("d") and ar.read("d/f.txt") == b"inside"
+        assert not ar.index.flags[ar.index.lookup("d")] & 8  # not INCONSISTENT
+
+
 def test_an_entry_count_the_directory_cannot_hold_is_not_a_memory_error(tmp_path: Path, caplog) -> None:
     """A ZIP64 end record claiming 2**40 entries over a 1-entry directory: the entries that are
     there are listed (as zipfile and unzip do), with a warning, not refused for index memory."""

@@ -305,6 +305,29 @@ def test_endpoint_credentials_and_tls_mismatch_give_a_fast_clean_error(proxy_to,
         Archive("s3://bkt/a.zip", endpoint_url=proxy.url.replace("http://", "https://"))
     assert time.monotonic() - started < 3.0
     assert proxy.stats.requests == 0
+    # A handshake the server drops (an overloaded load balancer) is retried like a reset.
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+
+    def hang_up() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                server.accept()[0].close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    try:
+        with pytest.raises(SourceError, match=r"failed after [2-9] attempts"):
+            Archive(
+                "s3://bkt/a.zip",
+                endpoint_url=f"https://127.0.0.1:{server.getsockname()[1]}",
+                retry=FAST_RETRY,
+            )
+    finally:
+        server.close()
 
 
 # -- faults ---------------------------------------------------------------------------------------

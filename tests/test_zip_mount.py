@@ -278,6 +278,32 @@ def test_two_mounts_racing_for_one_directory_make_one_mount(tmp_path: Path, mnt:
     assert not is_mounted(mnt)
 
 
+def test_remount_after_a_lazy_unmount_is_not_blocked(tmp_path: Path, mnt: Path) -> None:
+    """A daemon detached by a lazy unmount lives on while a file stays open; the directory is free
+    again (the mount point lock only covers setting a mount up)."""
+    good = python_zip(tmp_path / "good.zip", sample_files())
+    pid_file = tmp_path / "first.pid"
+    run_cli("mount", str(good), str(mnt), "--pid-file", str(pid_file), check=True)
+    first = int(pid_file.read_text().split()[0])
+    holder = open(mnt / next(iter(sample_files())), "rb")  # noqa: SIM115 - kept open on purpose
+    try:
+        res = run_cli("umount", str(mnt), timeout=30)
+        assert res.returncode == 0 and not is_mounted(mnt), res.stderr
+        assert alive(first)  # detached, still serving the open file
+        started = time.monotonic()
+        with mounted(good, mnt):
+            assert time.monotonic() - started < 4.0
+            assert sorted(os.listdir(mnt))
+    finally:
+        holder.close()
+        for _ in range(250):
+            if not alive(first):
+                break
+            time.sleep(0.02)
+        else:
+            os.kill(first, signal.SIGKILL)
+
+
 def test_mount_interrupted_after_the_fork_leaves_nothing(tmp_path: Path, mnt: Path) -> None:
     """Ctrl-C (or SIGTERM) while ``cdmlfs mount`` waits for its daemon: the daemon and the mount
     stayed. Whenever the signal lands, a command that did not succeed leaves nothing behind."""

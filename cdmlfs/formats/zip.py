@@ -226,6 +226,8 @@ class ZipFormat:
                 eflags |= INCONSISTENT  # CRC-32 of no bytes is 0; stored data has its own size
             elif method == STORED and kind == FILE and csize != usize and problem is None:
                 problem = f"stored, but its record gives {csize} bytes of data for a file of {usize} bytes"
+            if kind == DIR:  # a directory has no data to be wrong about: its sizes are moot
+                problem = None
             offset = loff + prefix
             if offset >= source_size:
                 offset = -1  # outside the archive (ZIP64 allows 2**64-1): EIO when read, not a failed mount

@@ -56,6 +56,7 @@ class RetryPolicy:
         return pause
 
     def timeouts(self, connect: float, read: float) -> tuple[float, float]:
-        """Socket timeouts that leave room for retries within the deadline (a third of it each)."""
-        cap = max(0.5, self.deadline / 3)
+        """Socket timeouts that fit the deadline: each at most half of it (the defaults, 5 s and
+        20 s, are far below the default 60 s deadline)."""
+        cap = max(0.5, self.deadline / 2)
         return min(connect, cap), min(read, cap)

@@ -30,7 +30,6 @@ import contextlib
 import logging
 import os
 import re
-import ssl
 import threading
 import time
 
@@ -478,7 +477,9 @@ class S3Object:
                 failures += 1
                 if self._closed:
                     raise SourceError(f"{self.location}: source closed during the read ({exc})") from None
-                pause = policy.next_delay(failures, started, attempt_wait=sum(self._timeouts))
+                # An attempt may wait a read timeout for its reply's headers (the watchdog bounds
+                # its body): start none that could not be over by the deadline.
+                pause = policy.next_delay(failures, started, attempt_wait=self._timeouts[1])
                 elapsed = time.monotonic() - started
                 if pause is None:
                     # A failed open is the caller's one-line error; a failed read is logged here, each time.
@@ -537,9 +538,9 @@ class S3Object:
                 f"{self.location}: no AWS credentials found (set AWS_PROFILE/--profile or the AWS_* "
                 "environment variables; public buckets: --no-sign-request)"
             ) from None
-        if isinstance(exc, SSLError) or isinstance(getattr(exc, "__context__", None), ssl.SSLError):
-            # A TLS handshake fails the same way every time (https to a plain-http port, a bad
-            # certificate): retrying only delays the message.
+        if isinstance(exc, SSLError) and _PERMANENT_TLS.search(str(exc)):
+            # These fail the same way every time (https to a plain-http port, a certificate that
+            # does not verify): retrying only delays the message. A dropped handshake is retried.
             raise SourceError(f"{self.location}: TLS failed ({_redact(str(exc))})") from None
         if isinstance(exc, (ConnectionError, HTTPClientError, IncompleteReadError, OSError, HTTPException)):
             raise _Transient(f"{type(exc).__name__}: {_redact(str(exc))}") from None
@@ -574,6 +575,7 @@ class _Background:
 
 
 _USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
+_PERMANENT_TLS = re.compile(r"WRONG_VERSION_NUMBER|CERTIFICATE_VERIFY_FAILED|certificate|hostname", re.I)
 
 
 def _redact(text: str) -> str:
