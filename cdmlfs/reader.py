@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 WHOLE_MEMBER_MAX = 64 << 20
 EXTENT_SIZE = 4 << 20
 MAX_SYMLINK = 4096
+TRIM_AFTER_WINDOW = 4 << 20  # a decoder window this large is handed back to the OS when freed
 MAX_FORWARD = 4  # forward decoders kept between reads (each may hold a window up to the member's size)
 # States of a member in the reader's ``_verified`` column (shared with the C fast path).
 UNCHECKED, VERIFIED, CORRUPT = 0, 1, 2
@@ -456,18 +457,32 @@ class ExtentReader:
 
     # -- other methods ----------------------------------------------------------
     def _read_whole_stream(self, eid: int, offset: int, size: int, total: int) -> bytes:
+        """A bzip2 / LZMA / xz / zstd member small enough to decode whole, CRC-checked.
+
+        The decoder's window (up to the member's size: an xz dictionary, a zstd
+        window) lives outside the cache while it runs, so it is reserved too, and
+        the decoder is closed before the bytes are committed: with only the output
+        reserved, four such decodes at once held about one more cache's worth
+        (measured +80 MiB over a 64 MiB cache).
+        """
         data = self.cache.get(eid)
         if data is None:
             ix = self.index
-            with self.cache.reserve(total) as room:
-                stream = decoders.open_stream(
-                    self.source, ix.method[eid], self.fmt.data_offset(eid), ix.comp_size[eid], total
-                )
-                data = decoders.read_exact(stream, total)
-                if not decoders.at_end(stream):
+            at, comp, method = self.fmt.data_offset(eid), ix.comp_size[eid], ix.method[eid]
+            window = decoders.window_size(self.source, method, at, comp, total)
+            with self.cache.reserve(min(total + window, self.cache.limit)) as room:
+                stream = decoders.open_stream(self.source, method, at, comp, total)
+                try:
+                    data = decoders.read_exact(stream, total)
+                    longer = not decoders.at_end(stream)
+                finally:
+                    _close_quietly(stream)
+                if longer:
                     raise CorruptMemberError("member decodes to more bytes than declared")
                 _check_crc(data, ix.crc[eid])
                 room.commit(eid, data)
+            if window >= TRIM_AFTER_WINDOW and self.cache.trim_hook is not None:
+                self.cache.trim_hook()  # the window was heap memory: give it back now
         return _view(data, offset, offset + size)
 
     def _read_forward(self, eid: int, offset: int, size: int, total: int) -> bytes:
@@ -615,6 +630,13 @@ class ExtentReader:
             except Exception as exc:  # an optimisation: the read itself has its bytes
                 log.debug("could not hand extent %r to the C path: %s", key, exc)
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _close_quietly(stream) -> None:
+    try:
+        stream.close()
+    except Exception as exc:  # a decoder that fails to close has nothing left to give back
+        log.debug("closing a decoder: %s", exc)
 
 
 def _view(data: bytes, lo: int, hi: int) -> bytes | memoryview:

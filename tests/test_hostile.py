@@ -472,6 +472,24 @@ def test_zip_stream_decoder_windows_stay_within_one_decode_budget(tmp_path: Path
         assert len(live) == 2 and all(fw.window == 8 << 20 for fw in live)
 
 
+def test_whole_stream_decodes_reserve_their_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A member decoded whole has its decoder's window outside the cache while it runs: only the
+    output was reserved, and four decodes at once held about one more cache (+80 MiB over 64)."""
+    import zstandard
+
+    data = random.Random(5).randbytes(2 << 20)
+    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=23)
+    obj = zstandard.ZstdCompressor(compression_params=params).compressobj()  # no content size
+    comp = obj.compress(data) + obj.flush()
+    blob = craft.build_zip([craft.ZipMember(b"z.bin", comp, 93, zlib.crc32(data), len(data))])
+    with _open(blob, tmp_path, cache=64 << 20) as ar:
+        asked: list[int] = []
+        real = ar.cache.reserve
+        monkeypatch.setattr(ar.cache, "reserve", lambda n: asked.append(n) or real(n))
+        assert ar.read("z.bin") == data
+        assert asked == [2 * len(data)]  # the output, and a window cut to the member's size
+
+
 def test_two_readers_taking_turns_on_large_stream_members_do_not_restart_each_other(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
