@@ -7,6 +7,7 @@ it wires source -> format -> index -> extent reader + cache.
 from __future__ import annotations
 
 import io
+import operator
 import os
 import posixpath
 from collections.abc import Callable, Iterator
@@ -55,7 +56,10 @@ class Archive:
         if isinstance(location, (str, bytes, os.PathLike)):
             location = os.fsdecode(location)
             if "://" not in location:  # a pickled Archive reopens it from any working directory
-                location = os.path.abspath(location)
+                # The directory as the kernel resolves it (abspath folded "link/.." as text and
+                # opened another file than open() would); the archive's own name is kept.
+                head, name = os.path.split(location)
+                location = os.path.join(os.path.realpath(head or "."), name)
         self._location = location if isinstance(location, str) else None
         self._cache_size = cache_size
         self._options = options
@@ -222,18 +226,20 @@ class Archive:
         stack = [("" if start == "." else start, self._resolve(top))]
         while stack:
             path, eid = stack.pop()
-            dirs, files, subdirs = [], [], []
+            dirs, files, real = [], [], {}
             for c in index.children(eid):
                 name = index.name(c)
                 kind = index.kind[c]
                 if kind == DIR:
                     dirs.append(name)
-                    subdirs.append((f"{path}/{name}" if path else name, c))
+                    real[name] = c
                 elif kind == SYMLINK and self.isdir(index.paths[c]):
                     dirs.append(name)
                 else:
                     files.append(name)
             yield path, dirs, files
+            # As os.walk: the caller may prune (or reorder) ``dirs`` in place before we descend.
+            subdirs = [(f"{path}/{name}" if path else name, real[name]) for name in dirs if name in real]
             stack.extend(reversed(subdirs))
 
     def files(self) -> list[str]:
@@ -268,11 +274,19 @@ class Archive:
             size = self.index.size[self.index.data_entry(eid)] - offset
         return self.reader.read(eid, offset, size)
 
-    def open(self, path: str, buffering: int = 1 << 20) -> io.BufferedReader | MemberFile:
+    def open(
+        self, path: str, mode: str | int = "rb", buffering: int = 1 << 20
+    ) -> io.BufferedReader | MemberFile:
         """A seekable binary file object over a member (reads go through the bounded cache).
 
-        ``buffering`` as for ``open()``: 0 gives the raw, unbuffered file, -1 the default buffer.
+        ``mode`` is ``"rb"`` (or ``"r"``, as ``ZipFile.open`` takes it); ``buffering`` as for
+        ``open()``: 0 gives the raw, unbuffered file, -1 the default buffer. An int in place of
+        the mode is taken as ``buffering`` (the older signature).
         """
+        if isinstance(mode, int):
+            mode, buffering = "rb", mode
+        if mode not in ("r", "rb"):
+            raise ValueError(f"archive members open read-only in binary mode ('rb'), not {mode!r}")
         eid = self._resolve(path)
         if self.index.kind[eid] == DIR:
             raise IsADirectoryError_(f"{path}: is a directory")
@@ -290,8 +304,19 @@ class Archive:
         if index.kind[eid] == DIR:
             check_inside(root, os.path.join(out, "."))
             os.makedirs(out, exist_ok=True)
+            folders = [eid]
             for c in index.walk(eid):
                 self._extract_one(c, os.path.join(dest_dir, index.paths[c]), chunk, root)
+                if index.kind[c] == DIR and c != eid:
+                    folders.append(c)
+            # Directory modes and mtimes last, deepest first, as tar -x does: writing into a folder
+            # changes its mtime, and a read-only mode set first would stop its contents.
+            for d in reversed(folders):
+                if d == 0:  # the archive's root is dest_dir itself: not ours to change
+                    continue
+                target = os.path.join(dest_dir, index.paths[d])
+                os.chmod(target, index.mode[d])
+                os.utime(target, (index.mtime[d], index.mtime[d]))
             return out
         self._extract_one(eid, out, chunk, root)
         return out
@@ -316,7 +341,9 @@ class Archive:
 
 
 class MemberFile(io.RawIOBase):
-    """Raw, seekable reads of one member through the extent reader."""
+    """Raw, seekable reads of one member through the extent reader (``FileIO``'s behaviour)."""
+
+    mode = "rb"
 
     def __init__(self, reader: ExtentReader, eid: int, name: str) -> None:
         self._reader = reader
@@ -325,18 +352,31 @@ class MemberFile(io.RawIOBase):
         self._size = reader.index.size[reader.index.data_entry(eid)]
         self.name = name
 
+    def __repr__(self) -> str:
+        return f"<cdmlfs.MemberFile name={self.name!r}{' closed' if self.closed else ''}>"
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError("I/O operation on closed file")
+
     def readable(self) -> bool:
+        self._check_open()
         return True
 
     def seekable(self) -> bool:
+        self._check_open()
         return True
 
+    def write(self, b) -> int:
+        raise io.UnsupportedOperation("write: archive members are read-only")
+
     def tell(self) -> int:
-        if self.closed:
-            raise ValueError("I/O operation on closed file")
+        self._check_open()
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._check_open()
+        offset = operator.index(offset)  # as FileIO: 1.5 is a TypeError here, not at the next read
         if whence == io.SEEK_SET:
             pos = offset
         elif whence == io.SEEK_CUR:
@@ -351,11 +391,17 @@ class MemberFile(io.RawIOBase):
         return pos
 
     def readinto(self, buf) -> int:  # type: ignore[override]
-        n = self._reader.read_into(self._eid, self._pos, len(buf), buf)
+        self._check_open()
+        view = memoryview(buf)
+        if not view.contiguous:
+            raise BufferError("readinto needs a contiguous buffer")
+        view = view.cast("B")  # bytes, whatever the buffer's item type or shape (array('i'), numpy)
+        n = self._reader.read_into(self._eid, self._pos, view.nbytes, view)
         self._pos += n
         return n
 
     def readall(self) -> bytes:
+        self._check_open()
         data = self._reader.read(self._eid, self._pos, max(self._size - self._pos, 0))
         self._pos += len(data)
         return data

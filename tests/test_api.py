@@ -349,3 +349,65 @@ def test_extract_keeps_the_mtime_of_small_files(tmp_path: Path) -> None:
         for name in ("small.txt", "tail.bin"):
             out = ar.extract(name, str(tmp_path / "x"))
             assert os.stat(out).st_mtime == want, name
+
+
+def test_raw_member_file_behaves_like_fileio(tmp_path: Path) -> None:
+    """readinto counts bytes whatever the buffer's item type; closed files refuse; write is
+    UnsupportedOperation; seek wants an integer; open(path, "rb") works as ZipFile.open does."""
+    from array import array
+
+    data = bytes(range(256)) * 64
+    z = python_zip(tmp_path / "r.zip", {"blob.bin": data}, zipfile.ZIP_STORED)
+    with cdmlfs.open(str(z)) as ar:
+        raw = ar.open("blob.bin", buffering=0)
+        ints = array("i", [0, 0])
+        assert raw.readinto(ints) == 8 and ints.tobytes() == data[:8]
+        assert raw.mode == "rb" and raw.seek(0) == 0
+        with pytest.raises(io.UnsupportedOperation):
+            raw.write(b"x")
+        with pytest.raises(TypeError):
+            raw.seek(1.5)
+        raw.close()
+        for call in (raw.read, raw.readall, lambda: raw.seek(0), raw.readable, raw.seekable):
+            with pytest.raises(ValueError):
+                call()
+        with ar.open("blob.bin", "rb") as f:
+            assert f.read() == data
+        with pytest.raises(ValueError, match="read-only"):
+            ar.open("blob.bin", "w")
+
+
+def test_walk_honours_pruned_dirs_like_os_walk(archive: Path) -> None:
+    with cdmlfs.open(str(archive)) as ar:
+        every = [d for d, _, _ in ar.walk()]
+        visited = []
+        for top, dirs, _ in ar.walk():
+            visited.append(top)
+            dirs[:] = []  # os.walk then stops here
+        assert len(every) > 1 and visited == [""]
+
+
+def test_location_through_a_symlink_and_dotdot_is_the_file_open_would_read(tmp_path: Path) -> None:
+    real = tmp_path / "real" / "sub"
+    real.mkdir(parents=True)
+    python_zip(tmp_path / "real" / "a.zip", {"which": b"real/a.zip"})
+    python_zip(tmp_path / "a.zip", {"which": b"a.zip"})
+    (tmp_path / "link").symlink_to(real)
+    with cdmlfs.open(str(tmp_path / "link" / ".." / "a.zip")) as ar:  # the kernel: real/a.zip
+        assert ar.read("which") == b"real/a.zip"
+
+
+def test_extracted_directories_keep_their_mode_and_mtime(tmp_path: Path) -> None:
+    z = tmp_path / "d.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        info = zipfile.ZipInfo("d/", date_time=(2001, 2, 3, 4, 5, 6))
+        info.external_attr = (0o40700 << 16) | 0x10
+        info.create_system = 3
+        zf.writestr(info, b"")
+        zf.writestr(zipfile.ZipInfo("d/f.txt", date_time=(2002, 1, 1, 0, 0, 0)), b"f")
+    with cdmlfs.open(str(z)) as ar:
+        ar.extract("d", str(tmp_path / "out"))
+        st = ar.stat("d")
+    got = os.stat(tmp_path / "out" / "d")
+    assert got.st_mode & 0o777 == 0o700 and abs(got.st_mtime - st.mtime) < 1
+    assert (tmp_path / "out" / "d" / "f.txt").read_bytes() == b"f"
