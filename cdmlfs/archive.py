@@ -136,6 +136,8 @@ class Archive:
         """
         if self.reader.closed:
             raise ValueError("I/O operation on a closed archive")
+        if not isinstance(path, str):  # a PurePosixPath, or bytes as os functions take them
+            path = os.fsdecode(path)
         path = posixpath.normpath("/" + path).lstrip("/")
         if path == ".":
             path = ""

@@ -411,3 +411,13 @@ def test_extracted_directories_keep_their_mode_and_mtime(tmp_path: Path) -> None
     got = os.stat(tmp_path / "out" / "d")
     assert got.st_mode & 0o777 == 0o700 and abs(got.st_mtime - st.mtime) < 1
     assert (tmp_path / "out" / "d" / "f.txt").read_bytes() == b"f"
+
+
+def test_member_paths_may_be_pure_paths_or_bytes(archive: Path) -> None:
+    from pathlib import PurePosixPath
+
+    with cdmlfs.open(str(archive)) as ar:
+        name = ar.files()[0]
+        data = ar.read(name)
+        assert ar.read(PurePosixPath(name)) == data == ar.read(name.encode())
+        assert ar.exists(PurePosixPath(name)) and ar.stat(name.encode()).size == len(data)
