@@ -294,6 +294,9 @@ def cmd_pack(args: argparse.Namespace) -> int:
             f"{args.output} ({summary['output_bytes'] / 2**20:.1f} MiB{frames}) in {summary['seconds']:.1f}s",
             file=sys.stderr,
         )
+    if summary["changed"]:  # the archive is written, but not all of it is what was listed (GNU tar: 1)
+        print(f"cdmlfs: {summary['changed']} files changed while being packed (see above)", file=sys.stderr)
+        return 1
     return 0
 
 

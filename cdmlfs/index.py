@@ -250,8 +250,10 @@ class IndexBuilder:
     arguments and the absence of per-entry objects.
     """
 
-    def __init__(self, implied_dir_mtime: float = 0.0) -> None:
-        """``implied_dir_mtime`` dates the root and directories no entry describes (the archive's mtime)."""
+    def __init__(self, implied_dir_mtime: float = 0.0, backslash_is_separator: bool = True) -> None:
+        """``implied_dir_mtime`` dates the root and directories no entry describes (the archive's
+        mtime); ``backslash_is_separator``: ZIP names (Windows tools), not tar names (see pathrules)."""
+        self._backslash = backslash_is_separator
         self._index = Index()
         self._dir_ids: dict[str, int] = {"": 0}
         self._dir_mtime = implied_dir_mtime
@@ -317,7 +319,7 @@ class IndexBuilder:
             # cached tables are raw doubles): stat of the entry, and so listing its directory,
             # failed with EINVAL (int(nan)), and the C fast path converted them to garbage.
             mtime = 0.0 if mtime != mtime else (MAX_MTIME if mtime > 0 else -MAX_MTIME)
-        path = normalize(name)
+        path = normalize(name, self._backslash)
         if not path:
             if kind != DIR:
                 log.warning("skipping member %r: its name refers to the archive root", name)
@@ -372,7 +374,7 @@ class IndexBuilder:
     def add_hardlink(self, name: str, target_name: str, mtime: float, mode: int) -> int | None:
         """A hard link (tar): shares the target's data, inode, mode and mtime (what ``tar -x``
         gives: link(2) takes no metadata of its own). Unknown targets are skipped."""
-        target_path = normalize(target_name)
+        target_path = normalize(target_name, self._backslash)
         target = self._index._lookup.get(target_path)
         ix = self._index
         if target is not None and ix.kind[target] == SYMLINK and target in ix.link_target:
@@ -385,7 +387,7 @@ class IndexBuilder:
             log.warning("skipping hard link %r: target %r is not a file seen before it", name, target_name)
             self.dropped += 1
             return None
-        if normalize(name) == target_path:
+        if normalize(name, self._backslash) == target_path:
             return target  # a link to itself: tar -x leaves the file as it is
         target = ix.hardlink_of.get(target, target)
         eid = self.add(

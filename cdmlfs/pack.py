@@ -91,18 +91,53 @@ class PackEntry(NamedTuple):
 
 
 # -- sources ------------------------------------------------------------------------------
-def _file_chunks(path: str, size: int) -> Callable[[], Iterator[bytes]]:
+def _zeros(n: int) -> Iterator[bytes]:
+    while n > 0:
+        k = min(READ_CHUNK, n)
+        yield bytes(k)
+        n -= k
+
+
+def _file_chunks(
+    path: str, size: int, ident: tuple[int, int], changed: list[str]
+) -> Callable[[], Iterator[bytes]]:
+    """The bytes of a file listed with ``size`` and (device, inode) ``ident``.
+
+    Its header is already written when it is read, so a file that changed since
+    it was listed keeps that size (zeros where it has no bytes), with a warning,
+    and ``changed`` names it (the pack then exits 1, as GNU tar does). It is opened
+    without following links and without blocking: a file replaced by a symlink
+    would otherwise put the link target's bytes (any file on the machine) in the
+    archive, and one replaced by a FIFO would hang the pack.
+    """
+
     def chunks() -> Iterator[bytes]:
-        left = size
-        with open(path, "rb") as f:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            log.warning(
+                "%s: gone or replaced before it was read (%s): packed as %d zero bytes",
+                path,
+                exc.strerror,
+                size,
+            )
+            changed.append(path)
+            yield from _zeros(size)
+            return
+        with open(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not statmod.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != ident:
+                log.warning("%s: replaced by another file while packing: packed as %d zero bytes", path, size)
+                changed.append(path)
+                yield from _zeros(size)
+                return
+            left = size
             while left > 0:
                 data = f.read(min(READ_CHUNK, left))
                 if not data:
                     log.warning("%s shrank while being packed: padded with zeros", path)
-                    while left > 0:
-                        n = min(READ_CHUNK, left)
-                        yield bytes(n)
-                        left -= n
+                    changed.append(path)
+                    yield from _zeros(left)
                     return
                 left -= len(data)
                 yield data
@@ -119,10 +154,14 @@ def _sorted_entries(path: str) -> Iterator[os.DirEntry]:
         raise UsageError(f"{path}: cannot list directory ({exc.strerror})") from None
 
 
-def entries_from_directory(root: str, skip: str | None = None) -> list[PackEntry]:
+def entries_from_directory(
+    root: str, skip: str | None = None, changed: list[str] | None = None
+) -> list[PackEntry]:
     """Everything under ``root`` (not root itself), names sorted, each directory followed by its
     whole subtree (GNU tar's order: ``tar -x`` sets a directory's mtime once it leaves it, so
-    nothing written into it afterwards moves that mtime). ``skip``: a path not to pack (the output)."""
+    nothing written into it afterwards moves that mtime). ``skip``: a path not to pack (the output).
+    ``changed`` collects the files that changed or vanished while packing (see ``_file_chunks``)."""
+    changed = [] if changed is None else changed
     root = os.path.abspath(root)
     out: list[PackEntry] = []
     seen_inodes: dict[tuple[int, int], str] = {}
@@ -137,7 +176,12 @@ def entries_from_directory(root: str, skip: str | None = None) -> list[PackEntry
         rel = f"{rel_dir}/{item.name}" if rel_dir else item.name
         if skip is not None and item.path == skip:
             continue
-        st = item.stat(follow_symlinks=False)
+        try:
+            st = item.stat(follow_symlinks=False)
+        except FileNotFoundError:  # removed since the directory was listed: not packed
+            log.warning("%s: removed before it was packed", item.path)
+            changed.append(item.path)
+            continue
         mode = st.st_mode
         common = {"mode": statmod.S_IMODE(mode), "mtime": st.st_mtime, "uid": st.st_uid, "gid": st.st_gid}
         if statmod.S_ISDIR(mode):
@@ -148,7 +192,7 @@ def entries_from_directory(root: str, skip: str | None = None) -> list[PackEntry
         elif statmod.S_ISREG(mode):
             key = (st.st_dev, st.st_ino)
             first = seen_inodes.get(key) if st.st_nlink > 1 else None
-            chunks = _file_chunks(item.path, st.st_size)
+            chunks = _file_chunks(item.path, st.st_size, key, changed)
             if first is not None:
                 out.append(PackEntry(rel, HARDLINK, size=st.st_size, link=first, read=chunks, **common))
             else:
@@ -421,6 +465,11 @@ def write_zip(entries: list[PackEntry], f, level: int, progress: Progress | None
                 f"{shown}: this name is not valid UTF-8 and a ZIP cannot store it as it is; "
                 "rename it, or pack to .tar.zst"
             ) from None
+        if "\\" in entry.name:  # ZIP readers (and cdmlfs) read it as a folder separator
+            raise UsageError(
+                f"{entry.name}: a backslash in a ZIP name reads back as a folder separator; "
+                "rename it, or pack to .tar.zst"
+            )
     done = 0
     last_report = 0.0
     with zipfile.ZipFile(f, "w", allowZip64=True) as zf:
@@ -492,6 +541,8 @@ def pack(
         raise UsageError(f"--level must be between {low} and {high} for {kind} output")
     if os.path.lexists(out) and not force:
         raise UsageError(f"{out}: already exists (use --force to overwrite)")
+    if os.path.isdir(out) and not os.path.islink(out):
+        raise UsageError(f"{out}: is a directory")
     remote = "://" in src  # an archive URI (s3://...): opened like any archive
     if not remote and not os.path.exists(src):
         raise UsageError(f"{src}: no such file or directory")
@@ -499,10 +550,12 @@ def pack(
         raise UsageError("the output would overwrite the source")
     threads = max(1, threads or os.cpu_count() or 1)
     archive = None
+    changed: list[str] = []
     try:
         if not remote and os.path.isdir(src):
             # An output inside the directory (overwritten with --force) is not packed into itself.
-            entries = entries_from_directory(src, skip=os.path.join(os.path.abspath(src), _inside(src, out)))
+            skip = os.path.join(os.path.abspath(src), _inside(src, out))
+            entries = entries_from_directory(src, skip=skip, changed=changed)
         else:
             from cdmlfs.archive import Archive
 
@@ -552,4 +605,5 @@ def pack(
         "output_bytes": os.path.getsize(out),
         "frames": frames,
         "seconds": time.monotonic() - started,
+        "changed": len(changed),  # files that changed or vanished while packing (warned about)
     }

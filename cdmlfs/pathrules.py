@@ -2,8 +2,9 @@
 
 The rule (documented in the README, tested in tests/test_pathrules.py):
 
-* ``\\`` is a separator, like ``/`` (Windows tools write it; no sane dataset
-  has a backslash inside a file name).
+* In ZIP names ``\\`` is a separator, like ``/`` (Windows tools write it; no
+  sane dataset has a backslash inside a file name). In tar names it is an
+  ordinary character, as for GNU tar (``a\\b`` and ``a/b`` are two files).
 * Leading ``/`` (absolute paths), empty components and ``.`` are dropped.
 * ``..`` removes the previous component and is dropped at the root, so no
   name can point outside the mount.
@@ -24,12 +25,12 @@ NAME_MAX = 255
 _SHORT_ENOUGH = NAME_MAX // 4  # a str this short cannot exceed NAME_MAX bytes in UTF-8
 
 
-def normalize(name: str) -> str:
+def normalize(name: str, backslash_is_separator: bool = True) -> str:
     """Return the safe relative path for a member name ('' means the root)."""
     # Fast path: the overwhelming majority of names need no change.
     if (
         len(name) <= _SHORT_ENOUGH
-        and "\\" not in name
+        and ("\\" not in name or not backslash_is_separator)
         and "//" not in name
         and "\x00" not in name
         and not name.startswith(("/", "./", "../"))
@@ -37,12 +38,12 @@ def normalize(name: str) -> str:
         and name not in (".", "..")
     ):
         return name[:-1] if name.endswith("/") else name
-    return _normalize_slow(name)
+    return _normalize_slow(name, backslash_is_separator)
 
 
-def _normalize_slow(name: str) -> str:
+def _normalize_slow(name: str, backslash_is_separator: bool = True) -> str:
     parts: list[str] = []
-    for comp in name.replace("\\", "/").split("/"):
+    for comp in (name.replace("\\", "/") if backslash_is_separator else name).split("/"):
         if comp in ("", "."):
             continue
         if comp == "..":

@@ -150,3 +150,35 @@ def test_pack_refusals_and_errors_are_one_line(src: Path, tmp_path: Path) -> Non
         cdmlfs_pack(inner, out, "--force")
     with Archive(str(out), index_dir=str(tmp_path / "idx")) as ar:
         assert ar.files() == ["d/f.txt"]
+
+
+@pytest.mark.parametrize("how", ["symlink", "fifo", "removed"])
+def test_a_file_replaced_while_packing_is_never_followed_or_waited_on(how: str, tmp_path: Path) -> None:
+    """Listed as a regular file, then swapped before it is read: a symlink put the link target's
+    bytes (any file on the machine) in the archive, a FIFO hung the pack, a removed file aborted
+    it. The member keeps its announced size as zeros, and the file is reported as changed."""
+    from cdmlfs.pack import entries_from_directory
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "user.txt").write_bytes(b"u" * 1000)
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"S" * 1000)
+    changed: list[str] = []
+    (entry,) = entries_from_directory(str(src), changed=changed)
+    (src / "user.txt").unlink()
+    if how == "symlink":
+        (src / "user.txt").symlink_to(secret)
+    elif how == "fifo":
+        os.mkfifo(src / "user.txt")
+    data = b"".join(entry.read())
+    assert data == bytes(1000) and changed == [str(src / "user.txt")]
+
+
+def test_pack_refuses_a_directory_as_output_before_packing(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_text("a")
+    (tmp_path / "out.zip").mkdir()
+    res = run_cli("pack", "--force", str(src), str(tmp_path / "out.zip"))
+    assert res.returncode == 2 and "is a directory" in res.stderr.decode()

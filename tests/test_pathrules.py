@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import struct
+import sys
 import zipfile
 from pathlib import Path
 
@@ -37,6 +38,35 @@ from cdmlfs.pathrules import normalize
 )
 def test_normalize(name: str, expected: str) -> None:
     assert normalize(name) == expected
+
+
+def test_backslash_is_a_character_in_tar_names(tmp_path: Path) -> None:
+    """GNU tar keeps ``a\\b`` as a name: packed from a directory that also holds ``a/b``, the
+    mount showed one file with the other's bytes (and a repack lost one)."""
+    import io
+    import subprocess
+    import tarfile
+
+    assert normalize("a\\b", backslash_is_separator=False) == "a\\b"
+    path = tmp_path / "bs.tar"
+    with tarfile.open(path, "w") as tf:
+        for name, data in (("a/b", b"slash"), ("a\\b", b"backslash")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    with cdmlfs.open(str(path), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.read("a/b") == b"slash" and ar.read("a\\b") == b"backslash"
+    out = tmp_path / "out"
+    out.mkdir()
+    subprocess.run(["tar", "-xf", str(path), "-C", str(out)], check=True)
+    assert (out / "a\\b").read_bytes() == b"backslash"  # GNU tar agrees
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a\\b").write_bytes(b"x")
+    res = subprocess.run(
+        [sys.executable, "-m", "cdmlfs", "pack", str(src), str(tmp_path / "o.zip")], capture_output=True
+    )
+    assert res.returncode != 0 and "backslash" in res.stderr.decode()  # a ZIP would split it
 
 
 def test_overlong_component_is_shortened_uniquely() -> None:
