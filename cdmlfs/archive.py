@@ -6,6 +6,7 @@ it wires source -> format -> index -> extent reader + cache.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import operator
 import os
@@ -337,6 +338,8 @@ class Archive:
             if os.path.lexists(out):
                 os.unlink(out)
             os.symlink(self.reader.readlink(eid), out)
+            with contextlib.suppress(OSError, NotImplementedError):  # as tar -x: the link's own mtime
+                os.utime(out, (index.mtime[eid], index.mtime[eid]), follow_symlinks=False)
             return
         raw = MemberFile(self.reader, eid, index.paths[eid])
         write_atomically(out, raw, mode=index.mode[eid], mtime=index.mtime[eid], chunk=chunk)

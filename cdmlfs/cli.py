@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import re
+import signal
 import stat as statmod
 import sys
 import time
@@ -271,6 +272,12 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
 def cmd_pack(args: argparse.Namespace) -> int:
     from cdmlfs.pack import pack
+
+    def stop(signum: int, frame: object) -> None:  # as Ctrl-C: the partial output is removed
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
 
     progress = _progress_bar("packing") if sys.stderr.isatty() else None
     try:

@@ -182,3 +182,36 @@ def test_pack_refuses_a_directory_as_output_before_packing(tmp_path: Path) -> No
     (tmp_path / "out.zip").mkdir()
     res = run_cli("pack", "--force", str(src), str(tmp_path / "out.zip"))
     assert res.returncode == 2 and "is a directory" in res.stderr.decode()
+
+
+def test_sigterm_during_pack_leaves_no_partial_output(tmp_path: Path) -> None:
+    """SIGINT removed the hidden partial file; SIGTERM and SIGHUP left it (20 MiB, and packed into
+    the next archive when it lay inside the source)."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(24):
+        (src / f"f{i}").write_bytes(random.Random(i).randbytes(1 << 20))
+    cmd = [
+        sys.executable,
+        "-m",
+        "cdmlfs",
+        "pack",
+        "--threads",
+        "1",
+        "--level",
+        "19",
+        str(src),
+        str(tmp_path / "o.tar.zst"),
+    ]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=60)
+    leftovers = sorted(p.name for p in tmp_path.iterdir())
+    assert code != 0 and leftovers == ["src"], (code, leftovers, proc.stderr.read().decode())
