@@ -491,8 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_size,
         default=0,
         metavar="SIZE",
-        help="members at least this large bypass the kernel page cache; 0 (default) = never, "
-        "which lets the kernel skip open calls entirely (fastest for many files)",
+        help="members at least this large bypass the kernel page cache (and cannot be mmapped); "
+        "0 (default) = never, which lets the kernel skip open calls entirely (fastest for many files)",
     )
     p.add_argument(
         "--readahead",

@@ -33,8 +33,9 @@ from types import SimpleNamespace
 
 from cdmlfs import fuseloop
 from cdmlfs.archive import Archive
-from cdmlfs.errors import CdmlfsError, MemberError
+from cdmlfs.errors import CdmlfsError, CorruptMemberError, MemberError
 from cdmlfs.index import DIR, INCONSISTENT, SYMLINK
+from cdmlfs.pathrules import NAME_MAX
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,9 @@ class ArchiveOperations:
         if eid is None:
             eid = self.index.get(path.strip("/"))
             if eid is None:
+                # No component over NAME_MAX exists (the path rule): say so as a local fs would.
+                if any(len(c.encode("utf-8", "surrogateescape")) > NAME_MAX for c in path.split("/")):
+                    raise OSError(errno.ENAMETOOLONG, "")
                 raise OSError(errno.ENOENT, "")
         return eid
 
@@ -199,7 +203,10 @@ class ArchiveOperations:
         if self.index.kind[eid] != SYMLINK:
             raise OSError(errno.EINVAL, "")
         try:
-            return self.reader.readlink(eid)
+            target = self.reader.readlink(eid)
+            if not target:  # no file system holds one (ln -s "" fails); followed, it acts as "."
+                raise CorruptMemberError("symbolic link with an empty target", self.index.paths[eid])
+            return target
         except CdmlfsError as exc:
             raise self._fail(exc, f"readlink {path}", eid) from None
 
@@ -270,7 +277,8 @@ class ArchiveOperations:
         return self._stats_blob
 
     def listxattr(self, path: str) -> list[str]:
-        return [STATS_XATTR] if path == "/" else []
+        # The stats attribute is read by name (cdmlfs stats); listed, cp -a and tar --xattrs copied it.
+        return []
 
     def snapshot(self) -> dict:
         """Everything ``cdmlfs stats`` shows, as plain JSON-able values."""
@@ -378,7 +386,7 @@ def make_fuse_class(mfusepy):
             st = c_stat()
             plus = fuse3 and flags & _FUSE_READDIR_PLUS
             fill_flags = _FUSE_FILL_DIR_PLUS if plus else 0
-            for name, child in ((b".", eid), (b"..", eid)):
+            for name, child in ((b".", eid), (b"..", ix.parent[eid] if eid else eid)):
                 ops.fill_stat(child, st)
                 if (filler(buf, name, st, 0, 0) if fuse3 else filler(buf, name, st, 0)) != 0:
                     return 0

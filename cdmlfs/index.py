@@ -324,7 +324,12 @@ class IndexBuilder:
             if kind != DIR:
                 log.warning("skipping member %r: its name refers to the archive root", name)
                 self.dropped += 1
+            else:  # "./": the root's own mode and mtime, which tar -x gives the target directory
+                self._index.mode[0] = mode & PERMISSION_BITS
+                self._index.mtime[0] = mtime
             return None
+        if kind == SYMLINK:
+            mode = 0o777  # what lstat shows for any symlink on Linux (tarfile stores 0644)
         lookup = self._index._lookup
         previous = lookup.get(path)
         if previous is not None:

@@ -173,3 +173,38 @@ def test_inconsistent_seek_table_is_not_trusted(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert res.stdout == b"a" * 1000
     assert b"seek table" in res.stderr
+
+
+@pytest.mark.fuse
+def test_syscalls_answer_as_a_read_only_local_tree_does(tmp_path: Path, mnt: Path) -> None:
+    """From a syscall-by-syscall comparison with a read-only ext4 copy: a tar's own "./" entry dates
+    the root; symlinks show mode 0777 whatever was stored; an over-long name is ENAMETOOLONG, not
+    ENOENT; a symlink with an empty target (no file system holds one) is EIO, not a loop to ".";
+    the stats attribute is read by name but not listed (cp -a and tar --xattrs copied it)."""
+    import io
+    import tarfile
+
+    path = tmp_path / "odd.tar"
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
+        root = tarfile.TarInfo("./")
+        root.type, root.mode, root.mtime = tarfile.DIRTYPE, 0o700, 1_000_000_000
+        tf.addfile(root)
+        data = tarfile.TarInfo("d/f.txt")
+        data.size, data.mtime = 2, 1_500_000_000
+        tf.addfile(data, io.BytesIO(b"hi"))
+        for name, target in (("d/link", "f.txt"), ("d/empty", "")):
+            link = tarfile.TarInfo(name)
+            link.type, link.linkname, link.mode = tarfile.SYMTYPE, target, 0o644
+            tf.addfile(link)
+    with mounted(path, mnt, "--index-dir", str(tmp_path / "idx")):
+        st = os.stat(mnt)
+        assert st.st_mode & 0o7777 == 0o700 and st.st_mtime == 1_000_000_000
+        assert os.lstat(mnt / "d" / "link").st_mode & 0o7777 == 0o777
+        assert (mnt / "d" / "link").read_bytes() == b"hi"
+        with pytest.raises(OSError) as exc:
+            os.stat(mnt / ("x" * 300))
+        assert exc.value.errno == errno.ENAMETOOLONG
+        with pytest.raises(OSError) as exc:
+            os.readlink(mnt / "d" / "empty")
+        assert exc.value.errno == errno.EIO
+        assert os.listxattr(mnt) == [] and os.getxattr(mnt, "user.cdmlfs.stats")
