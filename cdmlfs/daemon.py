@@ -181,6 +181,11 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
     else:
         log.info("unmounted %s", opts.mountpoint)
     finally:
+        # libfuse has put back the default actions: a second SIGTERM (a process-group kill, tini -g)
+        # would now end us with status 143 after a clean unmount. We are on our way out anyway.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            with contextlib.suppress(ValueError, OSError):  # ValueError: not the main thread
+                signal.signal(sig, signal.SIG_IGN)
         if opts.pid_file:
             with contextlib.suppress(OSError):
                 os.unlink(opts.pid_file)

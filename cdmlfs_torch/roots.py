@@ -191,8 +191,24 @@ class ArchiveTree(Tree):
 
     @property
     def archive(self):
-        """This process's handle (opened on first use in each DataLoader worker)."""
-        return handles.get_archive(self.location, **self.open_kwargs)
+        """This process's handle (opened on first use in each DataLoader worker).
+
+        A spawned worker reopens the location: it must read the version the dataset's
+        sample list came from (``identity``, taken by :meth:`check` in the parent), not
+        whatever is there now (it silently read a replaced object's bytes under the old
+        list); it gets ESTALE instead.
+        """
+        archive = handles.get_archive(self.location, **self.open_kwargs)
+        seen = self.__dict__.get("identity")
+        if seen is not None and tuple(archive.source.identity) != seen:
+            raise OSError(
+                errno.ESTALE,
+                f"{self.location}: the archive changed after the dataset listed it "
+                f"(was {seen[1]} bytes, version {seen[2]}; now {archive.source.identity.size} bytes, "
+                f"version {archive.source.identity.version}); create the dataset again",
+                self.location,
+            )
+        return archive
 
     def check(self) -> ArchiveTree:
         """Open the archive now and make sure the folder exists (errors at construction, not in workers).
@@ -211,6 +227,7 @@ class ArchiveTree(Tree):
             if "no such" in str(exc):  # an S3 object or a file that is not there
                 raise FileNotFoundError(errno.ENOENT, str(exc), self.location) from exc
             raise
+        self.identity = tuple(archive.source.identity)  # pickled with the tree: workers compare
         if self.inner and not archive.isdir(self.inner):
             if archive.exists(self.inner):
                 raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), self.root_path)

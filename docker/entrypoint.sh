@@ -88,13 +88,14 @@ if ! mkdir -p -- "$MNT"; then
 fi
 
 args=(mount "$SOURCE" "$MNT" --foreground)
-[ -n "${CDMLFS_CACHE_SIZE:-}" ] && args+=(--cache-size "$CDMLFS_CACHE_SIZE")
+# --opt=VALUE: a value starting with "-" (a typo such as -5M) is then an error about the value.
+[ -n "${CDMLFS_CACHE_SIZE:-}" ] && args+=("--cache-size=$CDMLFS_CACHE_SIZE")
 [ -n "${CDMLFS_OPTIONS:-}" ] && args+=(-o "$CDMLFS_OPTIONS")
-[ -n "${CDMLFS_THREADS:-}" ] && args+=(--threads "$CDMLFS_THREADS")
-[ -n "${CDMLFS_ENDPOINT_URL:-}" ] && args+=(--endpoint-url "$CDMLFS_ENDPOINT_URL")
-[ -n "${CDMLFS_REGION:-}" ] && args+=(--region "$CDMLFS_REGION")
-[ -n "${CDMLFS_PROFILE:-}" ] && args+=(--profile "$CDMLFS_PROFILE")
-[ -n "${CDMLFS_INDEX_DIR:-}" ] && args+=(--index-dir "$CDMLFS_INDEX_DIR")
+[ -n "${CDMLFS_THREADS:-}" ] && args+=("--threads=$CDMLFS_THREADS")
+[ -n "${CDMLFS_ENDPOINT_URL:-}" ] && args+=("--endpoint-url=$CDMLFS_ENDPOINT_URL")
+[ -n "${CDMLFS_REGION:-}" ] && args+=("--region=$CDMLFS_REGION")
+[ -n "${CDMLFS_PROFILE:-}" ] && args+=("--profile=$CDMLFS_PROFILE")
+[ -n "${CDMLFS_INDEX_DIR:-}" ] && args+=("--index-dir=$CDMLFS_INDEX_DIR")
 truthy "${CDMLFS_NO_SIGN_REQUEST:-}" && args+=(--no-sign-request)
 truthy "${CDMLFS_VERBOSE:-}" && args+=(--verbose)
 args+=("$@")

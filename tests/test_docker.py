@@ -418,7 +418,7 @@ def test_environment_reaches_the_mount(topo: Topology, archive) -> None:
     topo.wait_healthy(sidecar)
     cmdline = psutil.Process(sidecar.daemon_pid()).cmdline()
     joined = " ".join(cmdline)
-    for expected in ("--foreground", "--cache-size 64M", "-o allow_other", "--threads multi", "--verbose"):
+    for expected in ("--foreground", "--cache-size=64M", "-o allow_other", "--threads=multi", "--verbose"):
         assert expected in joined, cmdline
     mountinfo = topo.ns(topo.host, "cat", "/proc/self/mountinfo", check=True).stdout
     line = next(ln for ln in mountinfo.splitlines() if unescape(ln.split()[4]) == str(topo.mnt))
@@ -445,8 +445,8 @@ def test_s3_settings_become_cli_flags(topo: Topology) -> None:
     rc = sidecar.wait(90)
     out = sidecar.output()
     running = next(ln for ln in out.splitlines() if "running:" in ln)
-    assert "--endpoint-url http://127.0.0.1:9" in running
-    assert "--region eu-west-1" in running
+    assert "--endpoint-url=http://127.0.0.1:9" in running
+    assert "--region=eu-west-1" in running
     assert "--no-sign-request" in running
     assert "--profile" not in running
     assert rc != 0, out
@@ -473,6 +473,25 @@ def test_missing_source_is_a_usage_error(tmp_path: Path) -> None:
     assert res.returncode == 2
     assert "CDMLFS_SOURCE is not set" in res.stderr
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_a_cache_size_starting_with_a_dash_is_named_in_the_error(tmp_path: Path) -> None:
+    """Passed as two words, "-5M" was read as an option: "--cache-size: expected one argument"."""
+    archive = tmp_path / "a.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr("x", b"x")
+    env = {
+        **os.environ,
+        "CDMLFS_SOURCE": str(archive),
+        "CDMLFS_MOUNTPOINT": str(tmp_path / "m"),
+        "CDMLFS_CACHE_SIZE": "-5M",
+    }
+    if CDMLFS_BIN is None:
+        pytest.skip("no cdmlfs executable")
+    env["CDMLFS_BIN"] = str(CDMLFS_BIN)
+    res = subprocess.run(["bash", str(ENTRYPOINT)], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and "-5M" in res.stderr and "expected one argument" not in res.stderr
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

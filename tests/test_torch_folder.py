@@ -268,6 +268,31 @@ def test_fork_workers_reuse_the_parents_index(
         assert y == ref_y and torch.equal(x, ref)
 
 
+def test_spawned_workers_refuse_an_archive_replaced_after_the_dataset_listed_it(tmp_path: Path) -> None:
+    """Spawned workers reopen the location: they read a replaced archive's pixels under the old
+    sample list and targets, with no error (fork workers kept the parent's handle and saw EIO)."""
+    import errno
+    import pickle
+
+    path = tmp_path / "data.zip"
+    for version in (1, 2):
+        src = tmp_path / f"v{version}"
+        for cls in ("a", "b"):
+            (src / cls).mkdir(parents=True)
+            _image(src / cls / "x.png", version)
+    shutil.make_archive(str(tmp_path / "data"), "zip", tmp_path / "v1")
+    ds = ArchiveImageFolder(str(path))
+    blob = pickle.dumps(ds)  # what a spawned worker receives
+    handles.close_all()  # a fresh process: no handle yet
+    pickle.loads(blob)[0]  # same archive: fine
+    handles.close_all()
+    os.replace(shutil.make_archive(str(tmp_path / "new"), "zip", tmp_path / "v2"), path)
+    worker_ds = pickle.loads(blob)
+    with pytest.raises(OSError) as exc:
+        worker_ds[0]
+    assert exc.value.errno == errno.ESTALE and "changed after the dataset listed it" in str(exc.value)
+
+
 def test_pickles_small_without_handle(trees: dict[str, Path]) -> None:
     ds = ArchiveImageFolder(f"{trees['zip']}::train")
     ds[0]  # the handle is open and has read data

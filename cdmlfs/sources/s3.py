@@ -550,7 +550,7 @@ class S3Object:
     def _mark_changed(self, how: str) -> SourceChangedError:
         message = (
             f"{self.location}: the object changed after it was opened ({how}; ETag at open {self.etag}); "
-            "remount to read the new version"
+            "open it again (remount) to read the new version"
         )
         if self._changed is None:
             self._changed = message
