@@ -225,6 +225,8 @@ class Archive:
         """Like ``os.walk``: top-down, in name order, paths from ``top`` as given; a symlink to a
         directory is listed with the directories but not followed."""
         index = self.index
+        if not isinstance(top, str):  # a PurePosixPath, or bytes, as os.walk takes them
+            top = os.fsdecode(top)
         start = posixpath.normpath("/" + top).lstrip("/")
         stack = [("" if start == "." else start, self._resolve(top))]
         while stack:

@@ -273,11 +273,12 @@ def cmd_extract(args: argparse.Namespace) -> int:
 def cmd_pack(args: argparse.Namespace) -> int:
     from cdmlfs.pack import pack
 
-    def stop(signum: int, frame: object) -> None:  # as Ctrl-C: the partial output is removed
-        raise KeyboardInterrupt
+    def stop(signum: int, frame: object) -> None:  # the partial output is removed on the way out
+        raise SystemExit(128 + signum)  # the status a kill by that signal gives (143 for SIGTERM)
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop)
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup (or the caller) wants it ignored
+            signal.signal(sig, stop)
 
     progress = _progress_bar("packing") if sys.stderr.isatty() else None
     try:

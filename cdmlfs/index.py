@@ -250,10 +250,14 @@ class IndexBuilder:
     arguments and the absence of per-entry objects.
     """
 
-    def __init__(self, implied_dir_mtime: float = 0.0, backslash_is_separator: bool = True) -> None:
+    def __init__(
+        self, implied_dir_mtime: float = 0.0, backslash_is_separator: bool = True, root_entry: bool = False
+    ) -> None:
         """``implied_dir_mtime`` dates the root and directories no entry describes (the archive's
-        mtime); ``backslash_is_separator``: ZIP names (Windows tools), not tar names (see pathrules)."""
+        mtime); ``backslash_is_separator``: ZIP names (Windows tools), not tar names (see pathrules);
+        ``root_entry``: a ``./`` entry gives the root its mode and mtime (tar -x does; unzip not)."""
         self._backslash = backslash_is_separator
+        self._root_entry = root_entry
         self._index = Index()
         self._dir_ids: dict[str, int] = {"": 0}
         self._dir_mtime = implied_dir_mtime
@@ -324,7 +328,9 @@ class IndexBuilder:
             if kind != DIR:
                 log.warning("skipping member %r: its name refers to the archive root", name)
                 self.dropped += 1
-            else:  # "./": the root's own mode and mtime, which tar -x gives the target directory
+            elif self._root_entry and name.lstrip("./") == "" and ".." not in name:
+                # "./" (or "/"), not a name that climbs back to the root: the root's own mode and
+                # mtime, which tar -x gives the target directory (a "../" member it refuses).
                 self._index.mode[0] = mode & PERMISSION_BITS
                 self._index.mtime[0] = mtime
             return None

@@ -33,6 +33,7 @@ they become copies. Mtimes are stored in whole seconds; ZIP can only hold
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -115,6 +116,9 @@ def _file_chunks(
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENXIO):  # EACCES, EMFILE...: an error
+                raise
+            # Removed, or replaced by a symlink (ELOOP) or a socket (ENXIO) since it was listed.
             log.warning(
                 "%s: gone or replaced before it was read (%s): packed as %d zero bytes",
                 path,

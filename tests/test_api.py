@@ -421,3 +421,4 @@ def test_member_paths_may_be_pure_paths_or_bytes(archive: Path) -> None:
         data = ar.read(name)
         assert ar.read(PurePosixPath(name)) == data == ar.read(name.encode())
         assert ar.exists(PurePosixPath(name)) and ar.stat(name.encode()).size == len(data)
+        assert list(ar.walk(PurePosixPath("."))) == list(ar.walk("")) == list(ar.walk(b""))

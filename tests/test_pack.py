@@ -214,4 +214,36 @@ def test_sigterm_during_pack_leaves_no_partial_output(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=60)
     leftovers = sorted(p.name for p in tmp_path.iterdir())
-    assert code != 0 and leftovers == ["src"], (code, leftovers, proc.stderr.read().decode())
+    assert code == 128 + signal.SIGTERM and leftovers == ["src"], (code, leftovers)
+    # Under nohup (SIGHUP ignored) a hangup changes nothing: the pack completes.
+    quick = [sys.executable, "-m", "cdmlfs", "pack", "--threads", "1", str(src), str(tmp_path / "n.tar.zst")]
+    proc = subprocess.Popen(["nohup", *quick], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(timeout=60) == 0 and (tmp_path / "n.tar.zst").exists()
+
+
+def test_an_unreadable_file_stops_the_pack_instead_of_being_zero_filled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a file that is gone (or now a symlink or socket) is zero-filled; EACCES, EMFILE or EIO
+    is an error, as before (a zero-filled member's CRC matches its zeros: nothing would flag it)."""
+    import errno
+
+    from cdmlfs import pack as pack_module
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "secret.txt").write_text("secret")
+    (entry,) = pack_module.entries_from_directory(str(src), changed=(changed := []))
+    real = os.open
+
+    def denied(path, flags, *args, **kw):
+        if str(path).endswith("secret.txt"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path, flags, *args, **kw)
+
+    monkeypatch.setattr(pack_module.os, "open", denied)
+    with pytest.raises(PermissionError):
+        b"".join(entry.read())
+    assert changed == []

@@ -196,6 +196,13 @@ def test_syscalls_answer_as_a_read_only_local_tree_does(tmp_path: Path, mnt: Pat
             link = tarfile.TarInfo(name)
             link.type, link.linkname, link.mode = tarfile.SYMTYPE, target, 0o644
             tf.addfile(link)
+    climbing = tmp_path / "climbing.tar"  # "../" is no "./": GNU tar refuses it; it must not date the root
+    with tarfile.open(climbing, "w", format=tarfile.GNU_FORMAT) as tf:
+        up = tarfile.TarInfo("x/../")
+        up.type, up.mode = tarfile.DIRTYPE, 0
+        tf.addfile(up)
+    with Archive(str(climbing), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.stat("").mode & 0o7777 == 0o755
     with mounted(path, mnt, "--index-dir", str(tmp_path / "idx")):
         st = os.stat(mnt)
         assert st.st_mode & 0o7777 == 0o700 and st.st_mtime == 1_000_000_000

@@ -95,7 +95,7 @@ class MemberTable:
     # -- index ---------------------------------------------------------------
     def build_index(self, implied_dir_mtime: float = 0.0) -> Index:
         """Replay the members through the index builder (path rules, duplicates, hard links)."""
-        builder = IndexBuilder(implied_dir_mtime=implied_dir_mtime, backslash_is_separator=False)
+        builder = IndexBuilder(implied_dir_mtime, backslash_is_separator=False, root_entry=True)
         add = builder.add
         links = self.links
         names = self.names
