@@ -32,6 +32,16 @@ from cdmlfs.sources.s3 import S3_OPTIONS
 DEFAULT_CACHE_SIZE = 512 << 20
 OPTIONS = S3_OPTIONS | {"index_dir"}  # what Archive(**options) passes to sources and formats
 MAX_SYMLINK_HOPS = 40
+_MISSING = (NotFoundError, LinkLoopError)  # what os.path.exists / isdir / isfile answer False for
+
+
+def _member_path(path) -> str:
+    """A member path as the index keys it: ``/`` separators, no ``.``/``..``, ``""`` for the root.
+    PurePosixPath and bytes are taken as os functions take them."""
+    if not isinstance(path, str):
+        path = os.fsdecode(path)
+    path = posixpath.normpath("/" + path).lstrip("/")
+    return "" if path == "." else path
 
 
 class Archive:
@@ -137,11 +147,7 @@ class Archive:
         """
         if self.reader.closed:
             raise ValueError("I/O operation on a closed archive")
-        if not isinstance(path, str):  # a PurePosixPath, or bytes as os functions take them
-            path = os.fsdecode(path)
-        path = posixpath.normpath("/" + path).lstrip("/")
-        if path == ".":
-            path = ""
+        path = _member_path(path)
         index = self.index
         while True:
             eid = index.get(path)
@@ -195,20 +201,20 @@ class Archive:
     def exists(self, path: str) -> bool:
         try:
             self._resolve(path)
-        except (NotFoundError, LinkLoopError):  # as os.path.exists answers for both
+        except _MISSING:
             return False
         return True
 
     def isdir(self, path: str) -> bool:
         try:
             return self.index.kind[self._resolve(path)] == DIR
-        except (NotFoundError, LinkLoopError):  # as os.path.exists answers for both
+        except _MISSING:
             return False
 
     def isfile(self, path: str) -> bool:
         try:
             return self.index.kind[self._resolve(path)] == FILE
-        except (NotFoundError, LinkLoopError):  # as os.path.exists answers for both
+        except _MISSING:
             return False
 
     def listdir(self, path: str = "") -> list[str]:
@@ -225,10 +231,7 @@ class Archive:
         """Like ``os.walk``: top-down, in name order, paths from ``top`` as given; a symlink to a
         directory is listed with the directories but not followed."""
         index = self.index
-        if not isinstance(top, str):  # a PurePosixPath, or bytes, as os.walk takes them
-            top = os.fsdecode(top)
-        start = posixpath.normpath("/" + top).lstrip("/")
-        stack = [("" if start == "." else start, self._resolve(top))]
+        stack = [(_member_path(top), self._resolve(top))]
         while stack:
             path, eid = stack.pop()
             dirs, files, real = [], [], {}

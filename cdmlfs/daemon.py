@@ -324,12 +324,7 @@ def mount_daemon(archive: Archive, opts: ServeOptions, log_file: str, verbose: b
             print(f"cdmlfs: mounted {archive.location} on {opts.mountpoint} (pid {pid}, log {log_file})")
         return 0
     reason = _last_log_line(log_file, log_start) or "the daemon exited before the mount was ready"
-    if reaped:  # it exited on its own; its mount (if any) may still be listed
-        if is_mounted(opts.mountpoint):
-            with contextlib.suppress(CdmlfsError):
-                unmount(opts.mountpoint)
-    else:
-        _abandon(pid, opts.mountpoint)
+    _abandon(pid, opts.mountpoint, exited=reaped)
     print(f"cdmlfs: mount failed: {reason} (log: {log_file})", file=sys.stderr)
     return 1
 
@@ -350,26 +345,35 @@ def _reaped(pid: int) -> bool:
     return done != 0
 
 
-def _abandon(pid: int, mountpoint: str) -> None:
-    """Stop a daemon whose mount did not succeed (or was interrupted) and remove its mount."""
+def _abandon(pid: int, mountpoint: str, exited: bool = False) -> None:
+    """Stop a daemon whose mount did not succeed (or was interrupted) and remove its mount.
+
+    ``exited``: the daemon is known to be gone and reaped (its pid may be someone else's now):
+    only its mount, if one is still listed, is left to remove.
+    """
+    if not exited:
+        _stop_child(pid)
+    if is_mounted(mountpoint):
+        with contextlib.suppress(CdmlfsError):
+            unmount(mountpoint)
+
+
+def _stop_child(pid: int) -> None:
+    """SIGTERM (a serving daemon unmounts on it), then SIGKILL after 5 s; reaps it either way."""
     with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)  # it unmounts on SIGTERM once serving
+        os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
         try:
             if os.waitpid(pid, os.WNOHANG)[0]:
-                break
+                return
         except ChildProcessError:  # already reaped (by _wait_ready): its pid may be someone else's now
-            break
+            return
         time.sleep(0.05)
-    else:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
-    if is_mounted(mountpoint):
-        with contextlib.suppress(CdmlfsError):
-            unmount(mountpoint)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
 
 
 def _wait_ready(rfd: int, pid: int) -> bool:

@@ -386,7 +386,7 @@ def make_fuse_class(mfusepy):
             st = c_stat()
             plus = fuse3 and flags & _FUSE_READDIR_PLUS
             fill_flags = _FUSE_FILL_DIR_PLUS if plus else 0
-            for name, child in ((b".", eid), (b"..", ix.parent[eid] if eid else eid)):
+            for name, child in ((b".", eid), (b"..", ix.parent[eid])):  # the root's parent is itself
                 ops.fill_stat(child, st)
                 if (filler(buf, name, st, 0, 0) if fuse3 else filler(buf, name, st, 0)) != 0:
                     return 0

@@ -112,6 +112,12 @@ def _file_chunks(
     archive, and one replaced by a FIFO would hang the pack.
     """
 
+    def lost(n: int, why: str, *args) -> Iterator[bytes]:
+        """The member keeps its announced size: ``n`` zero bytes, warned about and counted."""
+        log.warning(f"%s: {why}: packed as %d zero bytes", path, *args, n)
+        changed.append(path)
+        yield from _zeros(n)
+
     def chunks() -> Iterator[bytes]:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -119,29 +125,18 @@ def _file_chunks(
             if exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENXIO):  # EACCES, EMFILE...: an error
                 raise
             # Removed, or replaced by a symlink (ELOOP) or a socket (ENXIO) since it was listed.
-            log.warning(
-                "%s: gone or replaced before it was read (%s): packed as %d zero bytes",
-                path,
-                exc.strerror,
-                size,
-            )
-            changed.append(path)
-            yield from _zeros(size)
+            yield from lost(size, "gone or replaced before it was read (%s)", exc.strerror)
             return
         with open(fd, "rb") as f:
             st = os.fstat(fd)
             if not statmod.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != ident:
-                log.warning("%s: replaced by another file while packing: packed as %d zero bytes", path, size)
-                changed.append(path)
-                yield from _zeros(size)
+                yield from lost(size, "replaced by another file while packing")
                 return
             left = size
             while left > 0:
                 data = f.read(min(READ_CHUNK, left))
                 if not data:
-                    log.warning("%s shrank while being packed: padded with zeros", path)
-                    changed.append(path)
-                    yield from _zeros(left)
+                    yield from lost(left, "shrank while being packed")
                     return
                 left -= len(data)
                 yield data

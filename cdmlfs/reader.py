@@ -109,10 +109,7 @@ class _Forward:
         """Free the decoder (its window can be as large as the member, outside the cache)."""
         stream, self.stream = self.stream, None
         if stream is not None:
-            try:
-                stream.close()
-            except Exception as exc:  # a decoder that fails to close has nothing left to give back
-                log.debug("closing a forward decoder: %s", exc)
+            _close_quietly(stream)
 
 
 class ExtentReader:
