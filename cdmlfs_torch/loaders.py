@@ -11,7 +11,7 @@ import os
 from typing import Any, BinaryIO
 
 from cdmlfs_torch import handles
-from cdmlfs_torch.roots import sample_errors, split_sample_path
+from cdmlfs_torch.roots import open_local_file, read_local_file, sample_errors, split_sample_path
 
 
 def read_sample(path: str | os.PathLike) -> bytes:
@@ -19,8 +19,7 @@ def read_sample(path: str | os.PathLike) -> bytes:
     text = os.fspath(path)
     split = split_sample_path(text)
     if split is None:
-        with open(text, "rb") as f:
-            return f.read()
+        return read_local_file(text)
     location, inner = split
     with sample_errors(text):
         return handles.get_archive(location).read(inner)
@@ -31,7 +30,7 @@ def open_sample(path: str | os.PathLike) -> BinaryIO:
     text = os.fspath(path)
     split = split_sample_path(text)
     if split is None:
-        return open(text, "rb")
+        return open_local_file(text)
     location, inner = split
     with sample_errors(text):
         return handles.get_archive(location).open(inner)

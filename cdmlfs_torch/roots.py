@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import posixpath
 import shutil
@@ -137,6 +138,23 @@ class Tree:
         return list(range(len(paths)))
 
 
+def read_local_file(path: str) -> bytes:
+    """All bytes of a local file, without the terminal check that ``open(path, "rb")`` makes.
+
+    Before Python 3.14, ``open()`` with default buffering asks every file whether it is a
+    terminal (an ioctl) to choose line buffering. On a FUSE mount that ioctl is a round trip to
+    the daemon, one of three per file (lookup, ioctl, read): measured on a cdmlfs mount, reading
+    unbuffered was 1.2-1.5x faster for 2-110 KiB files. The bytes are the same.
+    """
+    with open(path, "rb", buffering=0) as f:
+        return f.readall()
+
+
+def open_local_file(path: str) -> BinaryIO:
+    """``open(path, "rb")`` without the terminal check (see :func:`read_local_file`)."""
+    return open(path, "rb", buffering=io.DEFAULT_BUFFER_SIZE)
+
+
 class LocalTree(Tree):
     """A directory read with ordinary file calls (torchvision's behaviour, byte for byte)."""
 
@@ -163,11 +181,10 @@ class LocalTree(Tree):
         return os.walk(path, followlinks=True)
 
     def read(self, path: str) -> bytes:
-        with open(path, "rb") as f:
-            return f.read()
+        return read_local_file(path)
 
     def open(self, path: str) -> BinaryIO:
-        return open(path, "rb")
+        return open_local_file(path)
 
     def extract(self, path: str, dest: str) -> str:
         out = os.path.join(dest, self.relpath(path))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything cdmlfs needs on a fresh Debian/Ubuntu machine, into ./.venv.
 #   system: fuse3 + libfuse2 (FUSE user space), libdeflate/zlib/zstd/xxhash + pkg-config (C builds),
-#           zip/unzip/zstd (test fixtures and reference extraction)
+#           zip/unzip/zstd (test fixtures and reference extraction), strace (a test watches syscalls)
 #   python: torch 2.14.1 + torchvision 0.29.1 (pinned), cdmlfs in editable mode with test extras
 # Usage: scripts/setup.sh [--no-torch]
 set -euo pipefail
@@ -17,7 +17,7 @@ done
 
 PY=${PYTHON:-python3}
 APT_PACKAGES=(fuse3 libfuse2 libfuse3-dev pkg-config gcc libdeflate-dev zlib1g-dev libzstd-dev libxxhash-dev
-              zip unzip zstd tar util-linux)
+              zip unzip zstd tar util-linux strace)
 "$PY" -m venv --help >/dev/null 2>&1 || APT_PACKAGES+=(python3-venv)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
