@@ -37,6 +37,7 @@ def mount_entry(path: str) -> dict[str, str] | None:
                 sep = parts.index("-")
                 if _unescape(parts[4]) == target:
                     found = {
+                        "id": parts[0],
                         "mountpoint": target,
                         "fstype": parts[sep + 1],
                         "source": _unescape(parts[sep + 2]),
@@ -103,32 +104,43 @@ def unmount(path: str, timeout: float = 10.0) -> None:
             parent = os.path.dirname(parent)
     if entry is not None and not entry["fstype"].startswith("fuse"):
         raise UsageError(f"{path}: not a FUSE mount ({entry['fstype']}); unmount it with umount yourself")
+    # Wait for this mount to go, not for the path to be no mount point at all: a cdmlfs mount
+    # stacked on a bind mount or tmpfs leaves that one there, and must not take it down too.
+    mount_id = entry["id"] if entry is not None else None
     attempts = [[tool, "-u", target] for tool in ("fusermount3", "fusermount") if shutil.which(tool)]
     if os.geteuid() == 0 and shutil.which("umount"):
         attempts.append(["umount", target])
-    errors = []
-    for cmd in attempts:
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode == 0 and _wait_unmounted(target, timeout):
-            return
-        errors.append((res.stderr or res.stdout).strip())
     # Busy (a process has a file open or its cwd inside): detach now, free when the last user leaves.
     lazy = [[tool, "-uz", target] for tool in ("fusermount3", "fusermount") if shutil.which(tool)]
     if os.geteuid() == 0 and shutil.which("umount"):
         lazy.append(["umount", "-l", target])
-    for cmd in lazy:
+    errors = []
+    for cmd in attempts + lazy:
+        if _gone(target, mount_id):  # an earlier attempt did it after all, late
+            return
         res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode == 0 and _wait_unmounted(target, timeout):
+        if res.returncode == 0 and _wait_unmounted(target, mount_id, timeout):
             return
         errors.append((res.stderr or res.stdout).strip())
     detail = next((e for e in errors if e), "unknown error")
     raise UsageError(f"{path}: could not unmount: {detail}")
 
 
-def _wait_unmounted(path: str, timeout: float) -> bool:
+def _gone(path: str, mount_id: str | None) -> bool:
+    """Whether the mount we set out to remove is gone (by mount ID when we know it)."""
+    if mount_id is None:
+        return not is_mounted(path)
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            return all(line.split(" ", 1)[0] != mount_id for line in f)
+    except OSError:
+        return not is_mounted(path)
+
+
+def _wait_unmounted(path: str, mount_id: str | None, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not is_mounted(path):
+        if _gone(path, mount_id):
             return True
         time.sleep(0.02)
     return False

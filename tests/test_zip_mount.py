@@ -344,6 +344,30 @@ def test_umount_refuses_what_is_not_fuse(tmp_path: Path) -> None:
         subprocess.run(["umount", str(target)], check=False)
 
 
+@pytest.mark.parametrize("dead", [False, True], ids=["live", "dead"])
+def test_umount_leaves_the_mount_underneath(dead: bool, tmp_path: Path) -> None:
+    """A cdmlfs mount stacked on a tmpfs (a container volume): umount takes ours, not the tmpfs."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    archive = python_zip(tmp_path / "a.zip", sample_files())
+    target = tmp_path / "volume"
+    target.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "cdmlfs-test", str(target)], check=True)
+    try:
+        with mounted(archive, target):
+            assert (target / "readme.txt").read_bytes() == sample_files()["readme.txt"]
+            if dead:
+                os.kill(daemon_pid(target), signal.SIGKILL)
+                time.sleep(0.2)
+            res = run_cli("umount", str(target))  # it used to wait 10 s, then unmount the tmpfs too
+            assert res.returncode == 0, res.stderr
+            with open("/proc/self/mountinfo") as f:
+                under = [line for line in f if line.split()[4] == str(target)]
+            assert len(under) == 1 and " tmpfs " in under[0], under
+    finally:
+        subprocess.run(["umount", str(target)], check=False)
+
+
 def test_read_only_and_metadata(tmp_path: Path, mnt: Path) -> None:
     archive = python_zip(tmp_path / "ro.zip", sample_files())
     with mounted(archive, mnt):
