@@ -92,9 +92,9 @@ class OptionalBuildExt(build_ext):
         _warn(
             f"building a C accelerator (cdmlfs._native, _fastpath, _zstdframe or _fuseloop) failed ({exc}).\n"
             "cdmlfs will work, using the slower pure-Python inflate and zstd paths and libfuse's\n"
-            "own loop. To build it, install a C compiler, pkg-config, libdeflate, zlib, zstd and\n"
-            "libfuse3 headers (Debian: build-essential pkg-config libdeflate-dev zlib1g-dev libzstd-dev\n"
-            "libxxhash-dev libfuse3-dev) and reinstall."
+            "own loop. To build it, install a C compiler, pkg-config, the Python headers and the\n"
+            "libdeflate, zlib, zstd and libfuse3 headers (Debian: build-essential pkg-config python3-dev\n"
+            "libdeflate-dev zlib1g-dev libzstd-dev libxxhash-dev libfuse3-dev) and reinstall."
         )
 
 
