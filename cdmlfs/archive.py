@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 from cdmlfs.cache import ExtentCache
 from cdmlfs.errors import (
+    ArchiveFormatError,
     IsADirectoryError_,
     LinkLoopError,
     NotADirectoryError_,
@@ -81,6 +82,11 @@ class Archive:
         )
         try:
             self.format = open_format(self.source, progress=progress, **options)
+        except ArchiveFormatError as exc:
+            self.source.close()
+            # Name the archive: a job that mounts several (or a container log) must say which failed.
+            where = self._location or getattr(self.source, "location", None)
+            raise ArchiveFormatError(f"{where}: {exc}" if where else str(exc)) from None
         except BaseException:
             self.source.close()
             raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gzip
 import multiprocessing
 import os
 import random
@@ -204,8 +205,8 @@ def test_flipped_byte_gives_eio_on_that_file_only(compression: int, tmp_path: Pa
 
 @pytest.mark.parametrize(
     "content",
-    [b"", b"this is not a zip file at all\n" * 100, None],
-    ids=["empty", "text", "truncated"],
+    [b"", b"this is not a zip file at all\n" * 100, None, gzip.compress(b"x" * 1024)],
+    ids=["empty", "text", "truncated", "gzip"],
 )
 def test_bad_archive_refused_with_one_line(content: bytes | None, tmp_path: Path, mnt: Path) -> None:
     bad = tmp_path / "bad.zip"
@@ -219,6 +220,9 @@ def test_bad_archive_refused_with_one_line(content: bytes | None, tmp_path: Path
     err = res.stderr.decode().strip()
     assert len(err.splitlines()) == 1, err
     assert "Traceback" not in err
+    assert str(bad) in err  # which archive: a job may mount several
+    if content is not None and content.startswith(b"\x1f\x8b"):
+        assert "gzip" in err and "gunzip" in err
     assert not is_mounted(mnt)
 
 

@@ -22,7 +22,22 @@ def open_format(source: Source, progress: Callable[[int, int], None] | None = No
     for sniff, opener in _sniffers():
         if sniff(head, tail):
             return opener(source, progress=progress, **options)
+    for magic, kind, tool in _FOREIGN:
+        if head.startswith(magic):
+            raise ArchiveFormatError(
+                f"{kind}-compressed, which cdmlfs does not read (ZIP, tar and tar.zst only): "
+                f"decompress it ({tool}), then mount the .tar or 'cdmlfs pack' it into a .tar.zst"
+            )
     raise ArchiveFormatError("not a supported archive (expected ZIP, tar or tar.zst)")
+
+
+# Compressed tars people will try: say what the file is and what to do about it.
+_FOREIGN = (
+    (b"\x1f\x8b", "gzip", "gunzip"),
+    (b"BZh", "bzip2", "bunzip2"),
+    (b"\xfd7zXZ\x00", "xz", "unxz"),
+    (b"\x04\x22\x4d\x18", "lz4", "unlz4"),
+)
 
 
 def _sniffers():
