@@ -65,6 +65,10 @@ def parse_fuse_options(values: list[str]) -> dict[str, str | bool]:
             key, sep, val = item.partition("=")
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 raise UsageError(f"invalid FUSE option {item!r}")
+            if key in ("rw", "ro"):  # a read-write mount answered writes with ENOSYS instead of EROFS
+                if key == "rw":
+                    raise UsageError("-o rw: cdmlfs mounts are read-only")
+                continue
             opts[key] = val if sep else True
     return opts
 
