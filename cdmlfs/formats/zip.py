@@ -110,17 +110,24 @@ class ZipFormat:
     def _parse(self, progress: Callable[[int, int], None] | None) -> Index:
         source = self.source
         eocd_pos, rec = self._find_eocd()
-        _, disk, cd_disk, n_disk, n_total, cd_size, cd_offset, _ = rec
+        _, disk, cd_disk, _, n_total, cd_size, cd_offset, _ = rec
         cd_end_pos = eocd_pos  # where the central directory ends in the file
         z64_needed = n_total == 0xFFFF or cd_size == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF
         if eocd_pos >= Z64_LOCATOR.size:
             loc = Z64_LOCATOR.unpack(source.read_at(eocd_pos - Z64_LOCATOR.size, Z64_LOCATOR.size))
             if loc[0] == Z64_LOCATOR_SIG:
+                if loc[3] > 1:
+                    disk = loc[3] - 1
                 n_total, cd_size, cd_offset, cd_end_pos = self._read_zip64_eocd(eocd_pos, loc[2])
             elif z64_needed and cd_offset == 0xFFFFFFFF:
                 raise ArchiveFormatError("corrupt ZIP: ZIP64 values without a ZIP64 locator")
-        if disk != cd_disk or (disk not in (0, 0xFFFF) and n_disk != n_total):
-            raise ArchiveFormatError("multi-volume (spanned) ZIP archives are not supported")
+        # The last part of a split archive (zip -s) holds the directory, the members are in the
+        # others: every read would fail. unzip refuses it the same way.
+        if disk not in (0, 0xFFFF) or cd_disk not in (0, 0xFFFF):
+            raise ArchiveFormatError(
+                f"the last part (disk {disk + 1}) of a split ZIP archive; join the parts into one "
+                "file first (zip -s 0 SPLIT.zip --out JOINED.zip)"
+            )
         cd_start = cd_end_pos - cd_size
         if cd_start < 0:
             raise ArchiveFormatError("corrupt ZIP: central directory size exceeds the file")
