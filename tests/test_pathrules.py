@@ -152,7 +152,7 @@ def test_hostile_names_through_the_mount(tmp_path: Path, mnt: Path) -> None:
 
 
 def test_non_utf8_names_from_unix_and_dos(tmp_path: Path) -> None:
-    """Unflagged names: valid UTF-8 from Unix tools stays UTF-8; other bytes are cp437."""
+    """Unflagged names: valid UTF-8 from Unix tools stays UTF-8; names from DOS tools are cp437."""
     path = tmp_path / "names.zip"
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr("placeholder_a", b"a")

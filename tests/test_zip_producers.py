@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
-from mountutil import run_cli
+from mountutil import mounted, run_cli
 
 import cdmlfs
 from cdmlfs.errors import ArchiveFormatError
@@ -29,3 +31,45 @@ def test_split_zip_is_refused_with_how_to_join_and_one_segment_reads(tmp_path: P
     subprocess.run(["zip", "-q", "-s", "10m", str(one), "r.bin", "a.txt"], cwd=src, check=True)
     with cdmlfs.open(str(one)) as ar:
         assert ar.read("a.txt") == b"hi\n" and ar.read("r.bin") == (src / "r.bin").read_bytes()
+
+
+def _entry(zf: zipfile.ZipFile, name: str, system: int, eattr: int, data: bytes = b"x") -> None:
+    info = zipfile.ZipInfo(name, (2024, 1, 2, 3, 4, 6))
+    info.create_system = system
+    info.external_attr = eattr
+    zf.writestr(info, b"" if name.endswith("/") else data)
+
+
+def test_modes_and_unix_name_bytes_as_unzip_gives_them(tmp_path: Path, mnt: Path) -> None:
+    """Entries without Unix modes (Windows, FAT), Unix modes of 000, and Unix names that are not
+    UTF-8: the mount shows what unzip (umask 022) extracts."""
+    archive = tmp_path / "producers.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        _entry(zf, "fat_unix_bits.txt", 0, (0o100600 << 16) | 0x20)  # Python's zipfile on Windows
+        _entry(zf, "fat_readonly.txt", 0, 0x21)  # DOS read-only + archive
+        _entry(zf, "fat_plain.txt", 0, 0x20)
+        _entry(zf, "ntfs_readonly_dir/", 11, 0x11)
+        _entry(zf, "ntfs_dir/", 11, 0x10)
+        _entry(zf, "unix_000", 3, 0o100000 << 16)
+        _entry(zf, "unix_750", 3, 0o100750 << 16)
+    src = tmp_path / "src"
+    src.mkdir()
+    latin = os.fsdecode(b"latin\xe9.txt")  # a Linux file name that is not UTF-8
+    (src / latin).write_bytes(b"latin-1 name\n")
+    subprocess.run(["zip", "-q", str(archive), latin], cwd=src, check=True)  # appends, flag unset
+
+    ref = tmp_path / "ref"
+    subprocess.run(["sh", "-c", f"umask 022 && unzip -q '{archive}' -d '{ref}'"], check=True)
+
+    def listing(root: Path) -> dict[bytes, int]:
+        out = {}
+        for dirpath, dirnames, filenames in os.walk(os.fsencode(root)):
+            for name in dirnames + filenames:
+                full = os.path.join(dirpath, name)
+                out[os.path.relpath(full, os.fsencode(root))] = os.lstat(full).st_mode & 0o7777
+        return out
+
+    with mounted(archive, mnt):
+        ours = listing(mnt)
+    assert ours == listing(ref)
+    assert ours[b"latin\xe9.txt"] == 0o644 and ours[b"unix_000"] == 0 and ours[b"fat_readonly.txt"] == 0o444

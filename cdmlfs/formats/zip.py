@@ -23,8 +23,6 @@ from collections.abc import Callable
 
 from cdmlfs.errors import ArchiveFormatError, CorruptMemberError
 from cdmlfs.index import (
-    DEFAULT_DIR_MODE,
-    DEFAULT_FILE_MODE,
     DIR,
     ENCRYPTED,
     FILE,
@@ -215,17 +213,17 @@ class ZipFormat:
             # Kind and permissions from the external attributes.
             system = made_by >> 8
             mode_hi = eattr >> 16
-            if system in UNIX_SYSTEMS and mode_hi:
+            unix_mode = system in UNIX_SYSTEMS and mode_hi
+            if unix_mode:  # st_mode as the Unix tool saw it (a mode of 000 included, as unzip keeps it)
                 ftype = mode_hi & 0o170000
                 kind = DIR if ftype == statmod.S_IFDIR else SYMLINK if ftype == statmod.S_IFLNK else FILE
                 mode = mode_hi & 0o777
             else:
                 kind = DIR if eattr & 0x10 else FILE
-                mode = 0
             if name.endswith("/"):
                 kind = DIR
-            if not mode:
-                mode = DEFAULT_DIR_MODE if kind == DIR else DEFAULT_FILE_MODE
+            if not unix_mode:
+                mode = _dos_mode(eattr, system, kind == DIR)
             eflags = NEEDS_LOCAL_HEADER
             if flags & (FLAG_ENCRYPTED | FLAG_STRONG_ENCRYPTION) or method == METHOD_AES:
                 eflags |= ENCRYPTED
@@ -304,17 +302,30 @@ def _check_index_fits(entries: int) -> None:
 
 
 def _decode_legacy_name(raw: bytes, system: int) -> str:
-    """Name without the UTF-8 flag: cp437 by the spec, but Unix tools write UTF-8 without saying so.
+    """Name without the UTF-8 flag: cp437 by the spec, but Unix tools write their own bytes.
 
-    We follow Info-ZIP unzip on Linux: valid UTF-8 from a Unix-made entry is UTF-8,
-    everything else is cp437.
+    We follow Info-ZIP unzip on Linux: a Unix-made entry's name is the bytes the tool found
+    on disk (UTF-8 mostly; other bytes kept as they are, as for tar names); names from
+    other systems are cp437.
     """
     if system in UNIX_SYSTEMS:
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            pass
+        return raw.decode("utf-8", "surrogateescape")
     return raw.decode("cp437")
+
+
+def _dos_mode(eattr: int, system: int, is_dir: bool) -> int:
+    """Permissions of an entry without Unix ones, as unzip gives them (with the usual umask 022).
+
+    The MS-DOS read-only attribute takes the write bits away. An entry made on FAT may still
+    carry Unix bits in the high word (PKZip for Unix, Python's zipfile on Windows): kept when
+    their owner part agrees with the DOS attributes, as unzip checks.
+    """
+    writable = not eattr & 0x01
+    mode_hi = eattr >> 16
+    owner = 0o400 | (0o200 if writable else 0) | (0o100 if is_dir else 0)
+    if system == 0 and mode_hi and mode_hi & 0o700 == owner:
+        return mode_hi & 0o777
+    return 0o444 | (0o200 if writable else 0) | (0o111 if is_dir else 0)
 
 
 def _iter_extra(extra: bytes):
