@@ -325,6 +325,19 @@ def test_corrupt_frame_during_the_scan_refuses_the_archive(tmp_path: Path, many_
         Archive(str(archive), index_dir=str(tmp_path / "idx"))
 
 
+def test_a_zstd_window_beyond_the_bound_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    """zstd --long=28 from a pipe declares a 256 MiB window: said as such, not as a corrupt frame."""
+    plain = tmp_path / "t.tar"
+    with tarfile.open(plain, "w") as tf:
+        _add(tf, "a.txt", b"hello\n")
+    packed = tmp_path / "long.tar.zst"
+    with open(plain, "rb") as src, open(packed, "wb") as out:
+        subprocess.run(["zstd", "-q", "--long=28", "-c"], stdin=src, stdout=out, check=True)
+    with pytest.raises(ArchiveFormatError, match=r"256 MiB decoding window.*zstd -d --long=31") as exc:
+        Archive(str(packed), index_dir=str(tmp_path / "idx"))
+    assert "corrupt" not in str(exc.value)
+
+
 def test_progress_is_reported_for_the_scan(tmp_path: Path, many_files: Path) -> None:
     archive = _single_frame(tmp_path, many_files)
     calls: list[tuple[int, int]] = []
@@ -405,7 +418,7 @@ def test_pax_global_and_local_headers(tmp_path: Path) -> None:
         assert not ar.exists("ignored-global-path")
 
 
-def test_truncated_tar_lists_what_came_before(tmp_path: Path) -> None:
+def test_truncated_tar_lists_what_came_before(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     def build(tf: tarfile.TarFile) -> None:
         _add(tf, "whole.txt", b"w" * 1000)
         _add(tf, "cut.bin", b"c" * 100_000)
@@ -415,6 +428,9 @@ def test_truncated_tar_lists_what_came_before(tmp_path: Path) -> None:
     data = archive.read_bytes()
     cut = data.index(b"c" * 512) + 50_000
     (tmp_path / "cut.tar").write_bytes(data[:cut])
+    with caplog.at_level(logging.WARNING):
+        Archive(str(tmp_path / "cut.tar"), index_dir=str(tmp_path / "idx")).close()
+    assert "truncated" in caplog.text and "'cut.bin'" in caplog.text  # said when mounting
     with Archive(str(tmp_path / "cut.tar"), index_dir=str(tmp_path / "idx")) as ar:
         assert ar.read("whole.txt") == b"w" * 1000
         assert ar.files() == ["cut.bin", "whole.txt"]

@@ -242,6 +242,23 @@ def scan_tar(view, members: MemberTable) -> int:
     return pos
 
 
+def _warn_if_cut(members: MemberTable, where: str) -> None:
+    """Say at mount time that the archive ends inside member data (a truncated copy, usually).
+
+    The members before the cut stay readable, as with ``tar -x``; the cut ones read as EIO.
+    """
+    cut = [
+        name
+        for kind, off, size, name in zip(members.kind, members.offset, members.size, members.names)
+        if kind == FILE and off + size > members.stream_size
+    ]
+    if cut:
+        log.warning(
+            "%s ends inside the data of %d member(s) (a truncated copy?), %r first: they read as EIO",
+            where, len(cut), cut[0],
+        )  # fmt: skip
+
+
 def _pax_numbers(attrs: dict[str, bytes], size: int, mtime: float, pos: int) -> tuple[int, float]:
     try:
         if "size" in attrs:
@@ -300,6 +317,7 @@ class TarFormat:
         end = scan_tar(view, members)
         view.finish(end)
         members.stream_size = self.source.size
+        _warn_if_cut(members, self.source.identity.location)
         self.index_source = "scan"
         log.debug("scanned %d tar members in %.2fs", len(members), time.monotonic() - started)
         self.store.save(self.source.identity, STORE_KIND_TAR, members.encode())
@@ -342,6 +360,7 @@ class TarFormat:
             raise
         table = view.frame_table()
         members.stream_size = table.total
+        _warn_if_cut(members, self.source.identity.location)
         self.index_source = "scan"
         log.debug(
             "scanned %d members in %.2fs (%d of %d frames decoded)",

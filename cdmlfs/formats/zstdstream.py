@@ -178,6 +178,24 @@ class FrameTable:
 EMPTY_FRAME_MAX = 64  # bytes: header (at most 18) + an empty last block (3) + checksum (4), with room
 
 
+def check_window(source: Source, i: int, offset: int, comp_size: int) -> None:
+    """Refuse a frame whose decoder window is beyond MAX_WINDOW, saying why and what to do.
+
+    ``zstd --long=N`` (N > 27) writes such frames; decoding one needs 2**N bytes outside the
+    cache. zstd's own error ("frame requires too much memory") read as a corrupt archive.
+    """
+    try:
+        window = parse_frame_header(source.read_at(offset, min(18, comp_size))).window_size
+    except ValueError:
+        return  # not a valid header: the decode says so
+    if window > MAX_WINDOW:
+        raise ArchiveFormatError(
+            f"zstd frame #{i} needs a {window >> 20} MiB decoding window (written with zstd --long); "
+            f"cdmlfs decodes windows of up to {MAX_WINDOW >> 20} MiB to keep its memory bound: "
+            "decompress it (zstd -d --long=31) and 'cdmlfs pack' the tar"
+        )
+
+
 def check_empty_frames(source: Source, frames: list[Frame]) -> None:
     """Frames said to decode to nothing must: a frame table skips them (they hold no stream bytes).
 
@@ -781,6 +799,7 @@ class ZstdScanView:
             if size is not None and self._frame_start + size <= pos:
                 self._frame_start += size  # all of it is skipped member data: no need to decode
                 continue
+            check_window(self.source, self._fi, frame.offset, frame.comp_size)
             raw = _SourceRange(self.source, frame.offset, frame.comp_size, self._report)
             self._reader = self._dctx.stream_reader(raw, read_size=SCAN_CHUNK, read_across_frames=False)
             self._pos = self._frame_start
