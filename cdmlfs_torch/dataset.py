@@ -94,6 +94,10 @@ class ArchiveDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def relpath(self, index: int) -> str:
+        """Path of sample ``index`` relative to the root (what ``os.path.relpath`` gives on disk)."""
+        return self.tree.relpath(self.samples[index])
+
     def read_bytes(self, index: int) -> bytes:
         """The raw bytes of sample ``index`` (nothing decoded)."""
         return self.tree.read(self.samples[index])

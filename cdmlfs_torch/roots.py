@@ -8,7 +8,7 @@ Root syntax (what ``ArchiveImageFolder(root)`` and ``ArchiveDataset(root)`` acce
     The whole archive.
 ``/data/imagenet.zip::train`` (``LOCATION::FOLDER``)
     The folder ``train`` inside the archive. ``LOCATION`` is anything
-    ``cdmlfs.open`` accepts (a path, ``s3://bucket/key.zip`` once S3 lands),
+    ``cdmlfs.open`` accepts (a path, ``s3://bucket/key.zip``),
     split at the first ``::``; this is the form that always works.
 ``/data/imagenet.zip/train``
     Shorthand for local archives: when the path does not exist, its longest

@@ -86,6 +86,7 @@ def test_raw_bytes_by_default_in_name_order(data_zip: Path) -> None:
     assert ds.paths == sorted(FILES)
     assert [ds[i] for i in range(len(ds))] == [FILES[p] for p in ds.paths]
     assert ds.samples[0] == f"{data_zip}::{ds.paths[0]}"
+    assert [ds.relpath(i) for i in range(len(ds))] == ds.paths  # as ArchiveImageFolder.relpath
 
 
 def test_selection_by_extension_glob_and_predicate(data_zip: Path) -> None:
