@@ -30,7 +30,7 @@ def parse_size(text: str) -> int:
     """'512M', '2G', '1.5GiB', '4096' -> bytes (binary units: 1K = 1024)."""
     m = _SIZE_RE.match(text)
     if not m:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r} (examples: 512M, 2G, 1048576)")
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (examples: 512M, 2G, 64MiB)")
     number, unit = float(m.group(1)), m.group(2).lower()
     power = " kmgtp".index(unit) if unit else 0
     return int(number * (1024**power))
@@ -300,7 +300,8 @@ def cmd_pack(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.close()
     if not args.quiet:
-        frames = f", {summary['frames']} frames" if summary["frames"] else ""
+        n = summary["frames"]
+        frames = f", {n} frame{'s' if n != 1 else ''}" if n else ""
         print(
             f"cdmlfs: packed {summary['members']} members ({summary['bytes'] / 2**20:.1f} MiB) into "
             f"{args.output} ({summary['output_bytes'] / 2**20:.1f} MiB{frames}) in {summary['seconds']:.1f}s",
@@ -430,7 +431,7 @@ class _OneLineParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
         prog="cdmlfs",
-        description="Mount ZIP / tar.zst archives (local or S3) as read-only directories, no extraction.",
+        description="Mount ZIP, tar and tar.zst archives (local or S3) as read-only directories.",
     )
     parser.add_argument("--version", action="version", version=_version_string())
     common = _OneLineParser(add_help=False)
@@ -490,7 +491,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="FUSE serving loop: single-threaded is fastest for local files, "
         "multithreaded for network sources (default: auto)",
     )
-    p.add_argument("--log-file", help="daemon log (default ~/.local/state/cdmlfs/<mount point>-<hash>.log)")
+    p.add_argument(
+        "--log-file",
+        help="daemon log (default $XDG_STATE_HOME/cdmlfs or ~/.local/state/cdmlfs, <mount point>-<hash>.log)",
+    )
     p.add_argument(
         "--direct-io-min",
         type=parse_size,
@@ -521,28 +525,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_mount)
 
     p = sub.add_parser("umount", parents=[common], help="unmount (also clears a dead mount)")
-    p.add_argument("mountpoint")
+    p.add_argument("mountpoint", help="where the archive is mounted")
     p.set_defaults(func=cmd_umount)
 
     p = sub.add_parser("ls", parents=[common, indexed], help="list archive contents without mounting")
-    p.add_argument("source")
-    p.add_argument("path", nargs="?", default="")
+    p.add_argument("source", help="archive path or URI")
+    p.add_argument("path", nargs="?", default="", help="a directory inside the archive (default: its root)")
     p.add_argument("-l", "--long", action="store_true", help="mode, size, mtime")
-    p.add_argument("-R", "--recursive", action="store_true")
+    p.add_argument("-R", "--recursive", action="store_true", help="list subdirectories too")
     add_s3_options(p)
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("cat", parents=[common, indexed], help="write members to stdout")
-    p.add_argument("source")
-    p.add_argument("paths", nargs="+")
+    p.add_argument("source", help="archive path or URI")
+    p.add_argument("paths", nargs="+", help="members to write, in this order")
     add_s3_options(p)
     p.set_defaults(func=cmd_cat)
 
     p = sub.add_parser(
         "extract", parents=[common, indexed], help="copy members (or folders) out of the archive"
     )
-    p.add_argument("source")
-    p.add_argument("paths", nargs="+")
+    p.add_argument("source", help="archive path or URI")
+    p.add_argument("paths", nargs="+", help="members or directories to extract")
     p.add_argument("-C", "--directory", default=".", help="destination directory (default .)")
     add_s3_options(p)
     p.set_defaults(func=cmd_extract)

@@ -177,7 +177,8 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
             # libfuse said why on stderr (the log, when daemonised): "fuse: unknown option(s)...".
             reason = f"libfuse could not mount {opts.mountpoint} (fuse_main returned {exc})"
             raise CdmlfsError(reason) from None
-        log.info("unmounted %s (loop ended with status %s)", opts.mountpoint, exc)
+        log.info("unmounted %s (stopped by a signal)", opts.mountpoint)
+        log.debug("libfuse's main returned %s", exc)
     else:
         log.info("unmounted %s", opts.mountpoint)
     finally:

@@ -218,7 +218,7 @@ class ArchiveOperations:
         open costs a call here, which sets ``direct_io`` for large members.
         """
         if self.direct_io_min is None:
-            raise OSError(errno.ENOSYS, "")
+            return -errno.ENOSYS  # returned, not raised: mfusepy logs a traceback per raised errno (-v)
         eid = self._eid(path)
         if self.index.kind[eid] == DIR:
             raise OSError(errno.EISDIR, "")

@@ -535,6 +535,8 @@ def pack(
     kind = output_kind(out)
     if not 4096 <= frame_size <= MAX_FRAME_SIZE:
         raise UsageError("--frame-size must be between 4K and 1G")
+    if kind == "tar" and level is not None:
+        raise UsageError("--level applies to .tar.zst and .zip outputs; a .tar is not compressed")
     low, high = (-1, 9) if kind == "zip" else (-(1 << 17), 22)  # deflate; zstd (negative: fast modes)
     if level is not None and not low <= level <= high:
         raise UsageError(f"--level must be between {low} and {high} for {kind} output")
