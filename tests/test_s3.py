@@ -76,6 +76,8 @@ def test_uri_parsing() -> None:
     with pytest.raises(UsageError) as info:
         parse_s3_uri("s3://AKIDEXAMPLE:s3cr3t@bkt/key.zip")
     assert "s3cr3t" not in str(info.value)
+    with pytest.raises(UsageError, match=r"invalid bucket name 'b' in s3://b/k\.zip: 2-255 letters"):
+        parse_s3_uri("s3://b/k.zip")  # says which name and the rule, without a credentials remark
 
 
 def test_zip_on_moto_equals_local_and_opens_with_one_request(moto_s3, proxy_to, tmp_path: Path) -> None:

@@ -96,8 +96,12 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     if not sep or not key or key.endswith("/"):
         raise UsageError(f"{uri}: an S3 archive must be named s3://BUCKET/KEY (an object, not a prefix)")
     if not _BUCKET.match(bucket):
-        # Never echo it: someone may have tried s3://KEY_ID:SECRET@bucket/...
-        raise UsageError("invalid bucket name in S3 URI (credentials in the URI are not supported)")
+        if ":" in bucket or "@" in bucket:  # never echo it: s3://KEY_ID:SECRET@bucket/... was tried
+            raise UsageError("invalid bucket name in S3 URI (credentials in the URI are not supported)")
+        raise UsageError(
+            f"invalid bucket name {bucket!r} in {uri}: 2-255 letters, digits, '.', '-' or '_', "
+            "starting with a letter or digit"
+        )
     return bucket, key
 
 
