@@ -19,7 +19,7 @@ from collections.abc import Hashable, Iterator
 from cdmlfs import extensions
 from cdmlfs.archive import Archive
 from cdmlfs.cache import ExtentCache
-from cdmlfs.index import DIR, INCONSISTENT
+from cdmlfs.index import DIR, INCONSISTENT, SPARSE
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def build_table(archive: Archive):
     hardlinked = set(ix.hardlink_of) | set(ix.nlink_extra)
     flags = ix.flags
     for eid in ix._lookup.values():
-        if eid in hardlinked or flags[eid] & INCONSISTENT:  # Python answers these (EIO, logged)
+        if eid in hardlinked or flags[eid] & (INCONSISTENT | SPARSE):  # Python answers these
             continue
         fast[eid] = 1
         if ix.kind[eid] == DIR:

@@ -51,6 +51,7 @@ MEMBER_CRC = 4  # IN_STREAM: `crc` is the member's CRC-32 (written by cdmlfs pac
 # data; stored with two different sizes; ZIP64 sizes missing): EIO on stat and read (the kernel never
 # asks to read a file of size 0, so a later check could not catch the empty ones).
 INCONSISTENT = 8
+SPARSE = 16  # IN_STREAM (tar sparse file): data segments in Index.sparse, holes read as zeros
 
 DEFAULT_FILE_MODE = 0o644
 DEFAULT_DIR_MODE = 0o755
@@ -110,6 +111,7 @@ class Index:
         "paths",
         "problems",
         "size",
+        "sparse",
     )
 
     def __init__(self) -> None:
@@ -128,6 +130,8 @@ class Index:
         self.hardlink_of: dict[int, int] = {}  # hard link -> entry holding the data (tar)
         self.nlink_extra: dict[int, int] = {}  # entry with data -> number of extra hard links
         self.problems: dict[int, str] = {}  # INCONSISTENT entry -> what its record contradicts (zip)
+        # SPARSE entry -> (logical starts, lengths, starts in the stored data) of its data segments
+        self.sparse: dict[int, tuple[array, array, array]] = {}
         self._lookup: dict[str, int] = {}
         self._children: dict[int, array] = {}
 
@@ -424,6 +428,17 @@ class IndexBuilder:
 
     def set_link_target(self, eid: int, target: str) -> None:
         self._index.link_target[eid] = target
+
+    def set_sparse(self, eid: int, segments: array) -> None:
+        """Data segments of a sparse file: flat (logical offset, length) pairs, in order, checked."""
+        starts, lengths, stored = array("Q"), array("Q"), array("Q")
+        at = 0
+        for i in range(0, len(segments), 2):
+            starts.append(segments[i])
+            lengths.append(segments[i + 1])
+            stored.append(at)
+            at += segments[i + 1]
+        self._index.sparse[eid] = (starts, lengths, stored)
 
     def finish(self) -> Index:
         """Build the directory tree (children in name order) and return the index."""

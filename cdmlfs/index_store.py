@@ -38,8 +38,9 @@ MAGIC = b"CDMLFSIX"
 # 2: hard links take their target's mode and mtime, link counts from the paths that remain.
 # 3: a lone zero block ends the listing (as GNU tar).
 # 4: symlink, device and fifo headers skip the bytes their size declares (as GNU tar).
+# 5: sparse files are members with their data segments (a version 4 scan skipped them).
 # Older files are rebuilt, never trusted.
-VERSION = 4
+VERSION = 5
 HEADER = struct.Struct("<8sHHIQ")
 MAX_INDEX_FILE = 4 << 30
 

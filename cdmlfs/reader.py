@@ -27,6 +27,7 @@ decoded bytes never exceed the cache limit.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import threading
@@ -41,7 +42,7 @@ from cdmlfs.errors import (
     MemberError,
     UnsupportedMethodError,
 )
-from cdmlfs.index import DEFLATE, ENCRYPTED, IN_STREAM, INCONSISTENT, MEMBER_CRC, STORED, Index
+from cdmlfs.index import DEFLATE, ENCRYPTED, IN_STREAM, INCONSISTENT, MEMBER_CRC, SPARSE, STORED, Index
 from cdmlfs.sources.base import Source
 
 log = logging.getLogger(__name__)
@@ -273,6 +274,8 @@ class ExtentReader:
             if method == IN_STREAM:
                 if ix.flags[eid] & MEMBER_CRC:
                     return self._read_member_with_crc(eid, offset, size, total)
+                if ix.flags[eid] & SPARSE:
+                    return self._read_sparse(eid, offset, size)
                 return self._read_in_stream(ix.offset[eid] + offset, size)
             if method == DEFLATE:
                 # Whole: the compressed bytes are in memory too (reserved below), so both are bounded.
@@ -600,6 +603,22 @@ class ExtentReader:
         if self._verified[eid] != VERIFIED:
             self._verify_crc(eid, whole)
         return whole[offset : offset + size]
+
+    def _read_sparse(self, eid: int, offset: int, size: int) -> bytes:
+        """A tar sparse file: its data segments from the stream (stored back to back), zeros between."""
+        starts, lengths, stored = self.index.sparse[eid]
+        base = self.index.offset[eid]
+        end = offset + size
+        out = bytearray(size)
+        j = max(bisect.bisect_right(starts, offset) - 1, 0)
+        while j < len(starts) and starts[j] < end:
+            lo = max(starts[j], offset)
+            hi = min(starts[j] + lengths[j], end)
+            if lo < hi:
+                at = base + stored[j] + lo - starts[j]
+                out[lo - offset : hi - offset] = self._read_in_stream(at, hi - lo)
+            j += 1
+        return bytes(out)
 
     def _read_in_stream(self, offset: int, size: int, checked: bool = True) -> bytes:
         """Stream bytes through cached extents; the last one is handed to the C fast path (which

@@ -627,3 +627,28 @@ def test_negative_and_fractional_mtimes_as_stat_gives_them(
     with mounted(archive, mnt, "--index-dir", str(tmp_path / "idx")):
         for name in ("neg", "small", "frac"):
             assert (mnt / name).stat().st_mtime_ns == (tmp_path / "x" / name).stat().st_mtime_ns, name
+
+
+@pytest.mark.parametrize(
+    "records, why",
+    [
+        (pax_record("GNU.sparse.size", b"100") + pax_record("GNU.sparse.map", b"0,3,1,3"), "overlap"),
+        (pax_record("GNU.sparse.size", b"100") + pax_record("GNU.sparse.map", b"0,5"), "covers 5 bytes"),
+        (pax_record("GNU.sparse.size", b"4") + pax_record("GNU.sparse.map", b"2,3"), "pass the file"),
+        (pax_record("GNU.sparse.size", b"100") + pax_record("GNU.sparse.map", b"0,x"), "unreadable"),
+        (pax_record("GNU.sparse.major", b"1") + pax_record("GNU.sparse.minor", b"0"), "unreadable"),
+    ],
+    ids=["overlap", "too-much-data", "past-the-end", "not-a-number", "no-realsize"],
+)
+def test_a_sparse_map_that_cannot_be_right_skips_that_member_only(
+    records: bytes, why: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    archive = tmp_path / "s.tar"
+    archive.write_bytes(
+        _raw_member(b"bad", b"%011o\0" % 3, b"abc", records)
+        + _raw_member(b"good", b"%011o\0" % 2, b"ok")
+        + bytes(1024)
+    )
+    with caplog.at_level(logging.WARNING), Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.files() == ["good"] and ar.read("good") == b"ok"
+    assert "'bad'" in caplog.text and why in caplog.text

@@ -24,9 +24,11 @@ Rules for what the mount shows (documented in the README):
   to a member not seen before it, or to a non-file, is skipped with a warning);
 * character/block devices and FIFOs (``3``, ``4``, ``6``) are **skipped**:
   they carry no data, and a read-only archive mount must not create device
-  nodes; their count is logged once. Sparse files (GNU ``S``, pax
-  ``GNU.sparse.*``) and multi-volume continuations (``M``) are skipped with a
-  warning, volume labels (``V``) silently;
+  nodes; their count is logged once. Sparse files (old GNU ``S``, pax
+  ``GNU.sparse.*`` formats 0.0, 0.1 and 1.0, as GNU tar and bsdtar write
+  them) are regular files whose holes read as zeros; one whose map
+  contradicts itself is skipped with a warning, as are multi-volume
+  continuations (``M``); volume labels (``V``) are skipped silently;
 * names: pax ``path`` > GNU ``L`` long name > ustar prefix/name; link targets:
   pax ``linkpath`` > GNU ``K`` > ustar linkname; size and mtime from pax when
   present. Global pax headers (``g``) apply to the members after them, except
@@ -49,6 +51,7 @@ import json
 import logging
 import struct
 import time
+from array import array
 from collections.abc import Callable
 
 from cdmlfs.errors import ArchiveFormatError
@@ -87,6 +90,8 @@ _NO_DATA_TYPES = frozenset((th.LNKTYPE, th.DIRTYPE))
 _META_TYPES = frozenset((th.PAX_LOCAL, th.SOLARIS_PAX, th.PAX_GLOBAL, th.GNU_LONGNAME, th.GNU_LONGLINK))
 _PER_MEMBER_ONLY = frozenset(("path", "linkpath", "size"))
 MAX_MEMBER_SIZE = 1 << 62  # base-256 fields can say more; no stream is that long
+MAX_SPARSE_SEGMENTS = 1 << 20  # data segments of one sparse file (16 MiB of map in memory)
+MAX_SPARSE_MAP_BYTES = 32 << 20  # a 1.0 map at the start of the data: 1M segments of 2 lines
 MAX_MTIME = float(1 << 40)  # ~36,000 years: beyond that (or NaN) the mtime is shown as 0
 
 
@@ -163,11 +168,18 @@ def scan_tar(view, members: MemberTable) -> int:
             # (an endless loop for types that store no member), a huge one overflowed the size column.
             raise ArchiveFormatError(f"tar header at offset {pos} declares an impossible size ({h.size})")
         header_end = pos + th.BLOCK
+        old_sparse: list[int] | None = None
+        if typeflag == th.GNU_SPARSE:
+            old_sparse = th.old_gnu_sparse_entries(block, 386, 4)
         if h.old_gnu_sparse_extended:  # old GNU sparse maps continue in extra header blocks
             while True:
                 ext = read(header_end, th.BLOCK)
                 header_end += th.BLOCK
-                if len(ext) < th.BLOCK or not ext[504]:
+                if len(ext) < th.BLOCK:
+                    break
+                if old_sparse is not None and len(old_sparse) <= 2 * MAX_SPARSE_SEGMENTS:
+                    old_sparse += th.old_gnu_sparse_entries(ext, 0, 21)
+                if not ext[504]:
                     break
         if typeflag in _META_TYPES:
             if h.size > MAX_META_MEMBER:
@@ -212,11 +224,21 @@ def scan_tar(view, members: MemberTable) -> int:
         pos = header_end + (th.round_up(size) if has_data else 0)
         pax = {}
         long_name = long_link = None
-        if typeflag in (th.REGTYPE, th.AREGTYPE, th.CONTTYPE):
-            if any(k.startswith("GNU.sparse.") for k in attrs):
+        if old_sparse is not None or (
+            typeflag in (th.REGTYPE, th.AREGTYPE) and any(k.startswith("GNU.sparse.") for k in attrs)
+        ):
+            sparse_name = attrs.get("GNU.sparse.name")
+            if sparse_name:  # formats 0.1 and 1.0 keep the real name here ("./GNUSparseFile.123/x")
+                name = th.decode_name(sparse_name)
+            try:
+                real, segments, skip = _sparse_layout(old_sparse, attrs, block, data_off, size, read)
+            except _BadSparse as exc:
                 stats.sparse += 1
-                log.warning("skipping member %r: sparse files are not supported", name)
+                log.warning("skipping member %r: %s", name, exc)
                 continue
+            append(FILE, name, h.mode, mtime, real, data_off + skip, sparse=segments)
+            continue
+        if typeflag in (th.REGTYPE, th.AREGTYPE, th.CONTTYPE):
             if name.endswith("/"):
                 append(DIR, name, h.mode, mtime, 0, 0)  # pre-POSIX tars mark directories with a slash
             else:
@@ -229,9 +251,9 @@ def scan_tar(view, members: MemberTable) -> int:
             append(HARDLINK, name, h.mode, mtime, 0, 0, th.decode_name(raw_link))
         elif typeflag in (th.CHRTYPE, th.BLKTYPE, th.FIFOTYPE):
             stats.devices += 1
-        elif typeflag in (th.GNU_SPARSE, th.GNU_MULTIVOL):
+        elif typeflag == th.GNU_MULTIVOL:
             stats.sparse += 1
-            log.warning("skipping member %r: sparse files and multi-volume parts are not supported", name)
+            log.warning("skipping member %r: multi-volume parts are not supported", name)
         elif typeflag in (th.GNU_VOLHDR, th.GNU_OLD_LONGNAME):
             stats.other += 1
         else:
@@ -242,6 +264,77 @@ def scan_tar(view, members: MemberTable) -> int:
     return pos
 
 
+class _BadSparse(ValueError):
+    """A sparse member whose map cannot be right (the member is skipped, with the reason)."""
+
+
+def _sparse_layout(
+    old_sparse: list[int] | None, attrs: dict[str, bytes], block: bytes, data_off: int, stored: int, read
+) -> tuple[int, array, int]:
+    """(real size, flat (offset, length) data segments, bytes of map before the data) of a sparse
+    member, from an old GNU header (``S``) or pax ``GNU.sparse.*`` records (0.0, 0.1, 1.0)."""
+    try:
+        if old_sparse is not None:
+            real = th.parse_number(block[483:495])
+            flat = old_sparse
+            skip = 0
+        elif attrs.get("GNU.sparse.major") == b"1":
+            if attrs.get("GNU.sparse.minor") != b"0":
+                raise _BadSparse(f"sparse format 1.{attrs.get('GNU.sparse.minor')!r} is not known")
+            real = int(attrs["GNU.sparse.realsize"])
+            flat, skip = _sparse_map_in_data(read, data_off, stored)
+        else:
+            real = int(attrs.get("GNU.sparse.size") or attrs.get("GNU.sparse.realsize") or b"-1")
+            text = attrs.get("GNU.sparse.map", b"")
+            flat = [int(x) for x in text.split(b",")] if text else []
+            skip = 0
+    except (KeyError, ValueError, th.TarHeaderError) as exc:
+        raise _BadSparse(f"unreadable sparse map ({exc})") from None
+    if len(flat) % 2 or len(flat) > 2 * MAX_SPARSE_SEGMENTS:
+        raise _BadSparse("sparse map with an odd or huge number of values")
+    if not 0 <= real <= MAX_MEMBER_SIZE:
+        raise _BadSparse(f"impossible sparse file size {real}")
+    segments = array("Q")
+    end = 0
+    for i in range(0, len(flat), 2):
+        offset, length = flat[i], flat[i + 1]
+        if offset < end or length < 0 or offset + length > real:
+            raise _BadSparse("sparse map segments overlap, go backwards or pass the file's size")
+        if length:
+            segments += array("Q", (offset, length))
+        end = offset + length
+    if sum(segments[1::2]) != stored - skip:
+        covered = sum(segments[1::2])
+        raise _BadSparse(f"sparse map covers {covered} bytes of data, the member has {stored - skip}")
+    return real, segments, skip
+
+
+def _sparse_map_in_data(read, data_off: int, stored: int) -> tuple[list[int], int]:
+    """GNU sparse 1.0: decimal numbers, one per line (count, then offset/length pairs), at the start
+    of the member's data, padded to a whole block; returns the pairs and the padded length."""
+    numbers: list[int] = []
+    count = None
+    at = data_off
+    pending = b""
+    while count is None or len(numbers) < 2 * count:
+        if at - data_off >= min(stored, MAX_SPARSE_MAP_BYTES):
+            raise _BadSparse("sparse map runs past the member's data")
+        chunk = read(at, th.BLOCK)
+        if len(chunk) < th.BLOCK:
+            raise _BadSparse("sparse map cut short")
+        at += th.BLOCK
+        lines = (pending + chunk).split(b"\n")
+        pending = lines.pop()
+        for line in lines:
+            if count is None:
+                count = int(line)
+                if not 0 <= count <= MAX_SPARSE_SEGMENTS:
+                    raise _BadSparse(f"sparse map of {count} segments")
+            elif len(numbers) < 2 * count:
+                numbers.append(int(line))
+    return numbers, at - data_off
+
+
 def _warn_if_cut(members: MemberTable, where: str) -> None:
     """Say at mount time that the archive ends inside member data (a truncated copy, usually).
 
@@ -249,8 +342,8 @@ def _warn_if_cut(members: MemberTable, where: str) -> None:
     """
     cut = [
         name
-        for kind, off, size, name in zip(members.kind, members.offset, members.size, members.names)
-        if kind == FILE and off + size > members.stream_size
+        for i, (kind, off, name) in enumerate(zip(members.kind, members.offset, members.names))
+        if kind == FILE and off + members.stored_size(i) > members.stream_size
     ]
     if cut:
         log.warning(

@@ -133,6 +133,7 @@ def parse_header(block: bytes) -> RawHeader:
 def parse_pax(data: bytes) -> dict[str, bytes]:
     """Records ``"<len> <key>=<value>\\n"`` of a pax extended header; values stay bytes."""
     out: dict[str, bytes] = {}
+    pairs: list[bytes] = []
     pos = 0
     end = len(data)
     while pos < end:
@@ -152,8 +153,29 @@ def parse_pax(data: bytes) -> dict[str, bytes]:
         if eq < 0:
             raise TarHeaderError("malformed pax record (no '=')")
         key = data[sp + 1 : eq].decode("utf-8", "surrogateescape")
-        out[key] = data[eq + 1 : rec_end - 1]
+        value = data[eq + 1 : rec_end - 1]
+        if key in _SPARSE_00_KEYS:  # GNU sparse 0.0 repeats these: the pairs, in order, as 0.1's map
+            pairs.append(value)
+        else:
+            out[key] = value
         pos = rec_end
+    if pairs and "GNU.sparse.map" not in out:
+        out["GNU.sparse.map"] = b",".join(pairs)
+    return out
+
+
+_SPARSE_00_KEYS = ("GNU.sparse.offset", "GNU.sparse.numbytes")
+
+
+def old_gnu_sparse_entries(block: bytes, start: int, count: int) -> list[int]:
+    """(offset, numbytes) pairs of an old GNU sparse header or extension block, flat; empty slots
+    (all zero) dropped."""
+    out: list[int] = []
+    for i in range(count):
+        at = start + 24 * i
+        offset, numbytes = parse_number(block[at : at + 12]), parse_number(block[at + 12 : at + 24])
+        if offset or numbytes:
+            out += (offset, numbytes)
     return out
 
 

@@ -29,11 +29,12 @@ import json
 import sys
 from array import array
 
-from cdmlfs.index import DIR, FILE, IN_STREAM, MEMBER_CRC, SYMLINK, Index, IndexBuilder
+from cdmlfs.index import DIR, FILE, IN_STREAM, MEMBER_CRC, SPARSE, SYMLINK, Index, IndexBuilder
 
 HARDLINK = 3  # member kinds: FILE, DIR, SYMLINK from cdmlfs.index, plus this one
-ENCODING_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+ENCODING_VERSION = 2  # written when no member is sparse (what cdmlfs pack embeds: older readers read it)
+SPARSE_ENCODING_VERSION = 3  # adds the data segments of sparse members
+READABLE_VERSIONS = (1, 2, 3)
 
 
 class MemberTableError(ValueError):
@@ -43,7 +44,7 @@ class MemberTableError(ValueError):
 class MemberTable:
     """Members in archive order: kind, mode, mtime, size, data offset in the stream, name, link."""
 
-    __slots__ = ("crcs", "kind", "links", "mode", "mtime", "names", "offset", "size", "stream_size")
+    __slots__ = ("crcs", "kind", "links", "mode", "mtime", "names", "offset", "size", "sparse", "stream_size")
 
     def __init__(self) -> None:
         self.kind = bytearray()
@@ -55,6 +56,9 @@ class MemberTable:
         self.links: dict[int, str] = {}
         self.stream_size = 0  # bytes of the decoded stream the members were found in
         self.crcs: array | None = None  # CRC-32 of each member's data (0 for non-files), or None
+        # sparse member -> flat (logical offset, length) pairs of its data segments; ``size`` is then
+        # the file's real size and its data in the stream is the segments' bytes, back to back
+        self.sparse: dict[int, array] = {}
 
     def __len__(self) -> int:
         return len(self.names)
@@ -69,6 +73,7 @@ class MemberTable:
         offset: int,
         link: str = "",
         crc: int = 0,
+        sparse: array | None = None,
     ) -> None:
         """Add a member (``crc`` is kept when the table has a CRC column: ``crcs`` set before the first)."""
         if "\0" in name:
@@ -83,13 +88,21 @@ class MemberTable:
             self.crcs.append(crc)
         if kind in (SYMLINK, HARDLINK):
             self.links[len(self.names) - 1] = link.replace("\0", "_")
+        if sparse is not None:
+            self.sparse[len(self.names) - 1] = sparse
+
+    def stored_size(self, i: int) -> int:
+        """Bytes of member ``i``'s data in the stream (less than its size when it is sparse)."""
+        segments = self.sparse.get(i) if self.sparse else None
+        return self.size[i] if segments is None else sum(segments[1::2])
 
     def data_end(self) -> int:
         """Largest end offset of any member's data (must lie within the stream)."""
         end = 0
-        for k, off, size in zip(self.kind, self.offset, self.size):
+        for i, (k, off, size) in enumerate(zip(self.kind, self.offset, self.size)):
             if k == FILE and off + size > end:
-                end = off + size
+                size = self.stored_size(i) if self.sparse else size
+                end = max(end, off + size)
         return end
 
     # -- index ---------------------------------------------------------------
@@ -106,7 +119,14 @@ class MemberTable:
         ):
             if kind == FILE:
                 crc = 0 if crcs is None else crcs[i]
-                add(names[i], FILE, mode, mtime, size, IN_STREAM, offset, size, crc, file_flags)
+                segments = self.sparse.get(i) if self.sparse else None
+                if segments is None:
+                    add(names[i], FILE, mode, mtime, size, IN_STREAM, offset, size, crc, file_flags)
+                else:
+                    stored = sum(segments[1::2])
+                    eid = add(names[i], FILE, mode, mtime, size, IN_STREAM, offset, stored, 0, SPARSE)
+                    if eid is not None:
+                        builder.set_sparse(eid, segments)
             elif kind == DIR:
                 add(names[i], DIR, mode, mtime, 0, IN_STREAM, 0, 0, 0)
             elif kind == SYMLINK:
@@ -122,8 +142,9 @@ class MemberTable:
     # -- encoding --------------------------------------------------------------
     def encode(self) -> bytes:
         link_ids = array("I", sorted(self.links))
+        sparse_ids = array("I", sorted(self.sparse))
         header = {
-            "v": ENCODING_VERSION,
+            "v": SPARSE_ENCODING_VERSION if sparse_ids else ENCODING_VERSION,
             "n": len(self.names),
             "links": len(link_ids),
             "stream_size": self.stream_size,
@@ -139,6 +160,15 @@ class MemberTable:
             if len(self.crcs) != len(self.names):
                 raise ValueError("member table has a CRC column of the wrong length")
             cols.append(self.crcs)
+        if sparse_ids:
+            counts = array("I", (len(self.sparse[i]) for i in sparse_ids))
+            values = array("Q")
+            for i in sparse_ids:
+                values += self.sparse[i]
+            header["sparse"] = len(sparse_ids)
+            header["sparse_values"] = len(values)
+            parts[0] = json.dumps(header, separators=(",", ":")).encode() + b"\n"
+            cols += [sparse_ids, counts, values]
         for col in cols:
             parts.append(_le_bytes(col))
         parts += [bytes(self.kind), names, link_text]
@@ -164,6 +194,10 @@ class MemberTable:
             names_bytes = int(header["names_bytes"])
             links_bytes = int(header["links_bytes"])
             stream_size = int(header["stream_size"])
+            n_sparse = int(header.get("sparse", 0))
+            n_values = int(header.get("sparse_values", 0))
+            if n_sparse < 0 or n_values < 0 or (n_sparse and header["v"] < SPARSE_ENCODING_VERSION):
+                raise ValueError("sparse counts")
         except (ValueError, KeyError, TypeError, OverflowError) as exc:  # JSON allows Infinity
             raise MemberTableError(f"bad member table header ({exc})") from None
         table = cls()
@@ -171,6 +205,8 @@ class MemberTable:
         pos = nl + 1
         cols = []
         layout = [("H", n), ("d", n), ("Q", n), ("Q", n), ("I", n_links)] + [("I", n)] * has_crc
+        if n_sparse:
+            layout += [("I", n_sparse), ("I", n_sparse), ("Q", n_values)]
         for typecode, count in layout:
             col = array(typecode)
             nbytes = count * col.itemsize
@@ -186,6 +222,14 @@ class MemberTable:
         table.mode, table.mtime, table.size, table.offset, link_ids = cols[:5]
         if has_crc:
             table.crcs = cols[5]
+        if n_sparse:
+            sparse_ids, counts, values = cols[-3:]
+            if sum(counts) != n_values or any(c % 2 for c in counts):
+                raise MemberTableError("member table sparse maps disagree")
+            at = 0
+            for i, c in zip(sparse_ids, counts):
+                table.sparse[i] = values[at : at + c]
+                at += c
         table.kind = bytearray(data[pos : pos + n])
         pos += n
         try:
@@ -200,6 +244,8 @@ class MemberTable:
             raise MemberTableError("member table columns disagree")
         if any(i >= n for i in link_ids):  # an id past the members would fail later, far from here
             raise MemberTableError("member table links name members it does not have")
+        if any(i >= n or table.kind[i] != FILE for i in table.sparse):
+            raise MemberTableError("member table sparse maps name members that are not files")
         table.links = dict(zip(link_ids, links))
         if any(table.kind[i] not in (SYMLINK, HARDLINK) for i in table.links) or any(
             k in (SYMLINK, HARDLINK) and i not in table.links for i, k in enumerate(table.kind)
