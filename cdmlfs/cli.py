@@ -366,7 +366,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
         if exc.errno == errno.ENOTCONN:
             hint = f" (its daemon is gone: 'cdmlfs umount {args.mountpoint}' clears it; the log says why)"
         raise CdmlfsError(f"{args.mountpoint}: cannot read stats: {exc.strerror}{hint}") from None
-    stats = json.loads(blob)
+    try:
+        stats = json.loads(blob)
+    except ValueError as exc:  # a daemon of another version, or a value cut short
+        raise CdmlfsError(f"{args.mountpoint}: unreadable stats from the daemon ({exc})") from None
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0

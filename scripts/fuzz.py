@@ -30,12 +30,14 @@ import argparse
 import contextlib
 import hashlib
 import json
+import os
 import random
 import re
 import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -134,9 +136,18 @@ def run_atheris(target: str, args: argparse.Namespace, corpus: Path, findings: P
             "-print_pcs=0", "-reload=0",
         ]  # fmt: skip
         started = time.monotonic()
-        proc = subprocess.run(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+        # libFuzzer ends the worker with exit(): no Python exit handlers, so the harness's scratch
+        # file is put in a directory of ours and removed here (it piled up in /dev/shm).
+        scratch = tempfile.mkdtemp(
+            prefix="cdmlfs-fuzz-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None
         )
+        try:
+            proc = subprocess.run(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                env={**os.environ, "CDMLFS_FUZZ_SCRATCH": scratch},
+            )  # fmt: skip
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         seconds += time.monotonic() - started
         out = proc.stdout
         ran = _stat(r"stat::number_of_executed_units:\s+(\d+)", out)

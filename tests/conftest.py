@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,18 @@ from mountutil import force_unmount, is_mounted
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "fuse: needs /dev/fuse and fusermount")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
+    # Indexes, logs and mount-point locks that tests do not place themselves go to a directory of
+    # this run (children inherit it), not into the user's ~/.cache and ~/.local/state.
+    scratch = Path(tempfile.mkdtemp(prefix="cdmlfs-tests-xdg-"))
+    config._cdmlfs_xdg = scratch  # type: ignore[attr-defined]
+    os.environ["XDG_CACHE_HOME"] = str(scratch / "cache")
+    os.environ["XDG_STATE_HOME"] = str(scratch / "state")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    scratch = getattr(config, "_cdmlfs_xdg", None)
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def fuse_available() -> bool:

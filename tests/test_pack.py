@@ -211,7 +211,10 @@ def test_sigterm_during_pack_leaves_no_partial_output(tmp_path: Path) -> None:
         str(tmp_path / "o.tar.zst"),
     ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
-    time.sleep(1.0)
+    deadline = time.monotonic() + 60
+    while not any(p.name != "src" for p in tmp_path.iterdir()):  # the partial output exists: mid-pack
+        assert proc.poll() is None and time.monotonic() < deadline, "pack ended before it could be stopped"
+        time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=60)
     leftovers = sorted(p.name for p in tmp_path.iterdir())

@@ -304,7 +304,17 @@ def test_forked_child_reads_with_fresh_pools() -> None:
 
 def test_close_fails_waiters_instead_of_hanging() -> None:
     data = bytes(4 * MiB)
-    layer, _, _ = make(data, latency=0.5)
+    release = threading.Event()
+    started = threading.Event()
+
+    def stuck_fetch(start: int, end: int) -> bytes:  # a GET that never answers until released
+        started.set()
+        release.wait(60)
+        return data[start:end]
+
+    layer = BlockLayer(
+        stuck_fetch, len(data), ExtentCache(64 * MiB), BlockConfig(readahead=None), name="stuck"
+    )
     out: list = []
 
     def reader() -> None:
@@ -315,10 +325,15 @@ def test_close_fails_waiters_instead_of_hanging() -> None:
 
     t = threading.Thread(target=reader)
     t.start()
-    time.sleep(0.1)
-    layer.close()
-    t.join(10)
-    assert not t.is_alive()
+    try:
+        assert started.wait(10)  # the read is waiting on its request
+        layer.close()
+        t.join(10)
+        assert not t.is_alive(), "close() left a reader waiting on a request that never finishes"
+        assert len(out) == 1 and isinstance(out[0], SourceError) and "closed" in str(out[0])
+    finally:
+        release.set()
+        t.join(10)
 
 
 def test_buffer_pool_recycles_only_unshared_buffers_and_reserves_them() -> None:

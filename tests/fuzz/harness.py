@@ -137,7 +137,9 @@ _tmpfile: str | None = None
 def _file_path() -> str:
     global _tmpfile
     if _tmpfile is None:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        base = os.environ.get("CDMLFS_FUZZ_SCRATCH")  # set by scripts/fuzz.py, which removes it
+        if base is None and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+            base = "/dev/shm"
         fd, _tmpfile = tempfile.mkstemp(prefix="cdmlfs-fuzz-", suffix=".bin", dir=base)
         os.close(fd)
     return _tmpfile
