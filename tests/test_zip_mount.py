@@ -394,11 +394,12 @@ def test_read_only_and_metadata(tmp_path: Path, mnt: Path) -> None:
         assert shutil.disk_usage(mnt).free == 0
 
 
-def test_sigterm_unmounts_cleanly(tmp_path: Path, mnt: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_unmounts_cleanly(sig: int, tmp_path: Path, mnt: Path) -> None:
     archive = python_zip(tmp_path / "a.zip", sample_files())
     with mounted(archive, mnt):
         pid = daemon_pid(mnt)
-        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, sig)
         for _ in range(200):
             if not is_mounted(mnt):
                 break
@@ -409,7 +410,7 @@ def test_sigterm_unmounts_cleanly(tmp_path: Path, mnt: Path) -> None:
                 break
             time.sleep(0.05)
         else:
-            pytest.fail("daemon still running after SIGTERM")
+            pytest.fail(f"daemon still running after {signal.Signals(sig).name}")
 
 
 def test_umount_clears_dead_mount(tmp_path: Path, mnt: Path) -> None:
@@ -542,3 +543,49 @@ def test_c_and_python_paths_serve_the_same(both_paths: str, tmp_path: Path, mnt:
                 assert f.read(1000) == files["t/3.txt"][12345:13345]
         active = "C fast path active" in log.read_text()
         assert active == (both_paths == "1")
+
+
+def test_errors_reach_readers_as_errno_with_a_log_line_naming_the_member(tmp_path: Path, mnt: Path) -> None:
+    """Through the mount: an encrypted member is EACCES, an unsupported method (deflate64) EIO."""
+    from test_api import _set_method
+
+    archive = python_zip(
+        tmp_path / "m.zip", {"d64.bin": b"a" * 1000, "enc.bin": b"b" * 1000, "ok.txt": b"fine"}
+    )
+    _set_method(archive, "d64.bin", 9)
+    _set_method(archive, "enc.bin", 8, flag_or=1)
+    log = tmp_path / "daemon.log"
+    with mounted(archive, mnt, log_file=log):
+        for name, code in (("enc.bin", errno.EACCES), ("d64.bin", errno.EIO)):
+            with pytest.raises(OSError) as exc:
+                (mnt / name).read_bytes()
+            assert exc.value.errno == code, name
+        assert (mnt / "ok.txt").read_bytes() == b"fine"
+    text = log.read_text()
+    assert "enc.bin" in text and "encrypt" in text
+    assert "d64.bin" in text and "deflate64" in text
+
+
+def test_members_can_be_memory_mapped_unless_direct_io_is_asked_for(tmp_path: Path, mnt: Path) -> None:
+    """np.memmap / mmap work on a default mount; --direct-io-min makes those members ENODEV for mmap
+    (and serves them bypassing the page cache), as the README says."""
+    import mmap
+
+    big = os.urandom(3 << 20)
+    archive = python_zip(
+        tmp_path / "m.zip", {"big.bin": big, "small.txt": b"small"}, compression=zipfile.ZIP_STORED
+    )
+    with (
+        mounted(archive, mnt),
+        open(mnt / "big.bin", "rb") as f,
+        mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m,
+    ):
+        assert m[: 1 << 20] == big[: 1 << 20] and m[-10:] == big[-10:]
+    with mounted(archive, mnt, "--direct-io-min", "1M"):
+        with open(mnt / "big.bin", "rb") as f:
+            with pytest.raises(OSError) as exc:
+                mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            assert exc.value.errno == errno.ENODEV
+            assert f.read() == big
+        with open(mnt / "small.txt", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+            assert m[:] == b"small"  # below the threshold: page cache, mmap-able
