@@ -184,6 +184,7 @@ class ProxyStats:
     connections: int = 0  # TCP connections clients opened (kept-alive ones count once)
     body_bytes: int = 0
     faults: int = 0
+    max_in_flight: int = 0  # most ranged GETs being answered at once (parallel requests)
     log: deque = field(default_factory=lambda: deque(maxlen=10_000))  # (method, range, status, bytes to send)
 
 
@@ -203,6 +204,7 @@ class FaultProxy:
         self.stall_seconds = stall_seconds
         self.latency = latency
         self.stats = ProxyStats()
+        self._in_flight = 0
         self._queue: deque[str] = deque()
         self._chaos = 0.0
         self._chaos_kinds: tuple[str, ...] = ()
@@ -304,6 +306,19 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         return self._conn
 
     def _forward(self) -> None:
+        ranged = self.command == "GET" and "Range" in self.headers
+        if ranged:
+            with self.owner._lock:
+                self.owner._in_flight += 1
+                self.owner.stats.max_in_flight = max(self.owner.stats.max_in_flight, self.owner._in_flight)
+        try:
+            self._forward_one()
+        finally:
+            if ranged:
+                with self.owner._lock:
+                    self.owner._in_flight -= 1
+
+    def _forward_one(self) -> None:
         owner = self.owner
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else None

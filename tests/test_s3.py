@@ -205,6 +205,29 @@ def test_long_scan_receives_into_recycled_buffers_over_kept_alive_connections(
     assert remote.cache.reserved == 0  # closing gave back the spares' reservations
 
 
+def test_large_and_sequential_reads_go_out_as_parallel_ranged_gets(
+    localbucket_s3, proxy_to, tmp_path: Path
+) -> None:
+    """The README's "large reads split into parallel ranged GETs" and readahead, seen at the wire:
+    each GET waits 50 ms at the proxy, so only requests sent in parallel can overlap there."""
+    data = random.Random(7).randbytes(64 * MiB)
+    _stored_zip_on(localbucket_s3, "bench", "par.zip", tmp_path, {"large.bin": data})
+    proxy = proxy_to(localbucket_s3)
+    proxy.latency = 0.05
+    with Archive("s3://bench/par.zip", endpoint_url=proxy.url) as remote:
+        proxy.reset_stats()
+        assert remote.read("large.bin", offset=0, size=40 * MiB) == data[: 40 * MiB]
+        assert proxy.stats.max_in_flight >= 4, proxy.stats.max_in_flight
+    with Archive("s3://bench/par.zip", endpoint_url=proxy.url) as remote:  # nothing cached
+        proxy.reset_stats()
+        got = bytearray()
+        with remote.open("large.bin") as f:  # a sequential reader, 1 MiB at a time
+            while chunk := f.read(1 * MiB):
+                got += chunk
+        assert got == data
+        assert proxy.stats.max_in_flight >= 2, proxy.stats.max_in_flight
+
+
 def test_faults_during_a_long_scan_into_recycled_buffers_give_zero_wrong_bytes(
     localbucket_s3, proxy_to, tmp_path: Path
 ) -> None:
