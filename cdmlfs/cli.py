@@ -102,6 +102,8 @@ def _source_options(args: argparse.Namespace) -> dict:
 def _open_archive(args: argparse.Namespace, cache_size: int | None = None):
     from cdmlfs.archive import DEFAULT_CACHE_SIZE, Archive
 
+    if not args.source:
+        raise UsageError("the archive path is empty")
     progress = _progress_bar() if sys.stderr.isatty() else None
     try:
         return Archive(
@@ -264,6 +266,8 @@ def cmd_cat(args: argparse.Namespace) -> int:
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
+    if os.path.exists(args.directory) and not os.path.isdir(args.directory):
+        raise UsageError(f"{args.directory}: not a directory (the -C destination)")
     archive = _open_archive(args, cache_size=64 << 20)
     with archive:
         os.makedirs(args.directory, exist_ok=True)
@@ -358,6 +362,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     entry = mount_entry(args.mountpoint)
     if entry is None or entry["fstype"] != "fuse.cdmlfs":
+        if not os.path.lexists(args.mountpoint):
+            raise UsageError(f"{args.mountpoint}: no such directory")
         raise UsageError(f"{args.mountpoint}: not a cdmlfs mount")
     try:
         blob = os.getxattr(args.mountpoint, STATS_XATTR)

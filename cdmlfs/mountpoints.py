@@ -92,6 +92,8 @@ def unmount(path: str, timeout: float = 10.0) -> None:
     target = os.path.abspath(path)
     entry = mount_entry(target)
     if entry is None and not _is_dead(target):
+        if not os.path.lexists(target):
+            raise UsageError(f"{path}: no such directory")
         raise UsageError(f"{path}: not mounted")
     if entry is None:  # dead, but not a mount point itself: a path inside a dead mount?
         parent = os.path.dirname(target)
