@@ -45,3 +45,18 @@ def test_stats_on_a_plain_directory_is_a_one_line_error(tmp_path: Path) -> None:
     res = run_cli("stats", str(tmp_path))
     assert res.returncode == 2
     assert len(res.stderr.decode().strip().splitlines()) == 1
+
+
+def test_bytes_read_from_a_tar_zst_count_the_compressed_frames(tmp_path: Path, mnt: Path) -> None:
+    """Frames are read past the source's read_at (pread in C, or into a reused buffer): counted too."""
+    import os
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "big.bin").write_bytes(os.urandom(3 << 20))  # incompressible: frames ~ as large as the data
+    packed = tmp_path / "p.tar.zst"  # seekable, index embedded: mounting decodes nothing
+    run_cli("pack", "-q", "--frame-size", "1M", str(src), str(packed), check=True)
+    with mounted(packed, mnt, "--index-dir", str(tmp_path / "idx")):
+        before = mount_stats(mnt)["bytes"]["from_source"]
+        assert (mnt / "big.bin").read_bytes() == (src / "big.bin").read_bytes()
+        assert mount_stats(mnt)["bytes"]["from_source"] - before >= 3 << 20

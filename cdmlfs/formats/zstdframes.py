@@ -30,6 +30,7 @@ place of its reservation. So held + in flight never exceeds the cache limit.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -126,6 +127,8 @@ class _NativeDecode(_Decode):
                     if used <= 0:
                         raise CorruptMemberError(f"{span.where}: the decoder stopped at {dec.pos} bytes")
                     self._used += used
+                    with contextlib.suppress(AttributeError):  # read in C, past read_at: for cdmlfs stats
+                        self._source.bytes_read += used
                 else:
                     n = min(INPUT_CHUNK, left)
                     dec.feed(self._source.read_at(span.offset + self._used, n))
