@@ -139,11 +139,14 @@ def installed(mfusepy, table) -> Iterator[None]:
         keep.append(dict(ops._objects or {}))  # the Python thunks must outlive the loop
         py_getattr = ctypes.cast(ops.getattr, ctypes.c_void_p).value
         py_read = ctypes.cast(ops.read, ctypes.c_void_p).value
+        py_getxattr = ctypes.cast(ops.getxattr, ctypes.c_void_p).value or 0
         if py_getattr and py_read:
-            fast_getattr, fast_read = table.activate(py_getattr, py_read)
+            fast_getattr, fast_read, fast_getxattr = table.activate(py_getattr, py_read, py_getxattr)
             ops.getattr = fields["getattr"](fast_getattr)
             ops.read = fields["read"](fast_read)
-            log.debug("C fast path active for getattr and read")
+            if fast_getxattr:
+                ops.getxattr = fields["getxattr"](fast_getxattr)
+            log.debug("C fast path active for getattr, read and getxattr")
         return real(argc, argv, ops_ptr, size, ctx)
 
     mfusepy.fuse_main_real = fuse_main_with_fast_path

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,14 @@ def test_stats_count_what_was_served(both_paths: str, tmp_path: Path, mnt: Path)
         assert (stats["fast_path"] is not None) == (both_paths == "1")
         human = run_cli("stats", str(mnt), check=True).stdout.decode()
         assert "hit rate" in human and "CorruptMemberError" in human
+        # Any other attribute (ls -l asks each file for its ACL and label) is "no such attribute",
+        # answered in C when the fast path is on.
+        for path, name in ((mnt / "readme.txt", "system.posix_acl_access"), (mnt, "user.other")):
+            with pytest.raises(OSError) as exc:
+                os.getxattr(path, name)
+            assert exc.value.errno == errno.ENODATA
+        if both_paths == "1":
+            assert mount_stats(mnt)["fast_path"]["getxattr_fast"] >= 2
 
 
 def test_stats_on_a_plain_directory_is_a_one_line_error(tmp_path: Path) -> None:
