@@ -6,10 +6,7 @@ and CRC-checked whole on their first read, before a byte is served.
 
 from __future__ import annotations
 
-import bz2
-import lzma
 import random
-import struct
 import zlib
 from pathlib import Path
 
@@ -23,25 +20,8 @@ from cdmlfs.errors import CorruptMemberError
 METHODS = {12: "bzip2", 14: "lzma", 93: "zstd", 95: "xz"}
 
 
-def _compress(method: int, content: bytes) -> bytes:
-    if method == 12:
-        return bz2.compress(content)
-    if method == 14:  # ZIP's LZMA: version, properties size, properties, then a raw LZMA1 stream
-        c = lzma.LZMACompressor(lzma.FORMAT_RAW, filters=[{"id": lzma.FILTER_LZMA1, "dict_size": 1 << 20}])
-        return (
-            struct.pack("<BBH", 9, 20, 5)
-            + bytes([0x5D])
-            + struct.pack("<I", 1 << 20)
-            + c.compress(content)
-            + c.flush()
-        )
-    if method == 93:
-        return craft.zstd_frame(content)
-    return lzma.compress(content, format=lzma.FORMAT_XZ)
-
-
 def _member(name: str, method: int, content: bytes, crc_xor: int = 0) -> craft.ZipMember:
-    data = _compress(method, content)
+    data = craft.compress(method, content, lzma_dict=1 << 20)
     return craft.ZipMember(name.encode(), data, method, zlib.crc32(content) ^ crc_xor, len(content))
 
 

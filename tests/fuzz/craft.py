@@ -9,6 +9,8 @@ of APPNOTE 6.3 and ustar directly from plain values.
 
 from __future__ import annotations
 
+import bz2
+import lzma
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -47,6 +49,27 @@ class ZipMember:
     offset: int | None = None  # central directory's local header offset (default: where it was written)
     write_local: bool = True
     fields: dict = field(default_factory=dict)  # raw central field overrides by name
+
+
+def compress(method: int, content: bytes, lzma_dict: int = 1 << 16) -> bytes:
+    """``content`` as a ZIP member of ``method`` stores it (unknown methods: as it is)."""
+    if method == 8:
+        return deflate_raw(content)
+    if method == 12:
+        return bz2.compress(content)
+    if method == 14:  # ZIP's LZMA: version, properties size, properties, then a raw LZMA1 stream
+        c = lzma.LZMACompressor(lzma.FORMAT_RAW, filters=[{"id": lzma.FILTER_LZMA1, "dict_size": lzma_dict}])
+        return (
+            struct.pack("<BBHB", 9, 20, 5, 0x5D)
+            + struct.pack("<I", lzma_dict)
+            + c.compress(content)
+            + c.flush()
+        )
+    if method == 93:
+        return zstd_frame(content)
+    if method == 95:
+        return lzma.compress(content, format=lzma.FORMAT_XZ)
+    return content
 
 
 def member(name: str | bytes, content: bytes, method: int = 8, **kw) -> ZipMember:
