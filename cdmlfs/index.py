@@ -240,6 +240,7 @@ class Index:
         total += sys.getsizeof(self.paths) + sum(sys.getsizeof(p) for p in self.paths)
         total += sys.getsizeof(self._lookup) + 28 * len(self._lookup)
         total += sum(sys.getsizeof(a) for a in self._children.values())
+        total += sum(sum(sys.getsizeof(a) for a in arrays) for arrays in self.sparse.values())
         return total
 
 
@@ -430,7 +431,8 @@ class IndexBuilder:
         self._index.link_target[eid] = target
 
     def set_sparse(self, eid: int, segments: array) -> None:
-        """Data segments of a sparse file: flat (logical offset, length) pairs, in order, checked."""
+        """Data segments of a sparse file: flat (logical offset, length) pairs, in order and within
+        the file (the tar scan and MemberTable.decode check that)."""
         starts, lengths, stored = array("Q"), array("Q"), array("Q")
         at = 0
         for i in range(0, len(segments), 2):

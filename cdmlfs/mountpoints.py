@@ -108,7 +108,7 @@ def unmount(path: str, timeout: float = 10.0) -> None:
         raise UsageError(f"{path}: not a FUSE mount ({entry['fstype']}); unmount it with umount yourself")
     # Wait for this mount to go, not for the path to be no mount point at all: a cdmlfs mount
     # stacked on a bind mount or tmpfs leaves that one there, and must not take it down too.
-    mount_id = entry["id"] if entry is not None else None
+    mount_id = (entry["id"], entry["mountpoint"]) if entry is not None else None
     attempts = [[tool, "-u", target] for tool in ("fusermount3", "fusermount") if shutil.which(tool)]
     if os.geteuid() == 0 and shutil.which("umount"):
         attempts.append(["umount", target])
@@ -128,18 +128,24 @@ def unmount(path: str, timeout: float = 10.0) -> None:
     raise UsageError(f"{path}: could not unmount: {detail}")
 
 
-def _gone(path: str, mount_id: str | None) -> bool:
-    """Whether the mount we set out to remove is gone (by mount ID when we know it)."""
+def _gone(path: str, mount_id: tuple[str, str] | None) -> bool:
+    """Whether the mount we set out to remove is gone: by mount ID and mount point when we know
+    them (the kernel hands a freed ID to the next mount at once, wherever it is)."""
     if mount_id is None:
         return not is_mounted(path)
+    ident, where = mount_id
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-            return all(line.split(" ", 1)[0] != mount_id for line in f)
+            for line in f:
+                parts = line.split(" ", 5)
+                if parts[0] == ident and _unescape(parts[4]) == where:
+                    return False
+        return True
     except OSError:
         return not is_mounted(path)
 
 
-def _wait_unmounted(path: str, mount_id: str | None, timeout: float) -> bool:
+def _wait_unmounted(path: str, mount_id: tuple[str, str] | None, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if _gone(path, mount_id):

@@ -21,7 +21,7 @@ from cdmlfs.archive import Archive
 from cdmlfs.errors import ArchiveFormatError, CorruptMemberError
 from cdmlfs.formats.tar import scan_tar
 from cdmlfs.formats.tarheader import build_header, parse_header, parse_pax, pax_record
-from cdmlfs.formats.tarmembers import MemberTable
+from cdmlfs.formats.tarmembers import MemberTable, MemberTableError
 from cdmlfs.formats.zstdstream import ZstdScanView
 from cdmlfs.index import FILE
 from cdmlfs.index_store import IndexStore, default_index_dir
@@ -661,8 +661,12 @@ def test_negative_and_fractional_mtimes_as_stat_gives_them(
         (pax_record("GNU.sparse.size", b"4") + pax_record("GNU.sparse.map", b"2,3"), "pass the file"),
         (pax_record("GNU.sparse.size", b"100") + pax_record("GNU.sparse.map", b"0,x"), "unreadable"),
         (pax_record("GNU.sparse.major", b"1") + pax_record("GNU.sparse.minor", b"0"), "unreadable"),
+        (
+            pax_record("GNU.sparse.major", b"1") + pax_record("GNU.sparse.minor", b"7"),
+            "': sparse format 1.7 is",
+        ),
     ],
-    ids=["overlap", "too-much-data", "past-the-end", "not-a-number", "no-realsize"],
+    ids=["overlap", "too-much-data", "past-the-end", "not-a-number", "no-realsize", "unknown-minor"],
 )
 def test_a_sparse_map_that_cannot_be_right_skips_that_member_only(
     records: bytes, why: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -676,3 +680,61 @@ def test_a_sparse_map_that_cannot_be_right_skips_that_member_only(
     with caplog.at_level(logging.WARNING), Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
         assert ar.files() == ["good"] and ar.read("good") == b"ok"
     assert "'bad'" in caplog.text and why in caplog.text
+
+
+def _sparse_10(
+    name: bytes, segments: list[tuple[int, int]], real: int, map_text: bytes | None = None
+) -> bytes:
+    """A GNU sparse 1.0 member: pax records, then the map and the data segments' bytes."""
+    text = (
+        map_text
+        if map_text is not None
+        else b"%d\n" % len(segments) + b"".join(b"%d\n%d\n" % s for s in segments)
+    )
+    body = (
+        text
+        + bytes(-len(text) % 512)
+        + b"".join(bytes([65 + i % 26]) * n for i, (_, n) in enumerate(segments))
+    )
+    records = (
+        pax_record("GNU.sparse.major", b"1") + pax_record("GNU.sparse.minor", b"0")
+        + pax_record("GNU.sparse.name", name) + pax_record("GNU.sparse.realsize", b"%d" % real)
+    )  # fmt: skip
+    return _raw_member(b"GNUSparseFile.0/" + name, b"%011o\0" % len(body), body, records)
+
+
+def test_sparse_maps_are_bounded_in_size_and_scanned_in_linear_time(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A map line that never ends was read in quadratic time (a 1.3 KB tar.zst stalled a mount for
+    minutes); maps compress to nothing, so an archive's total is bounded (it reached 700 MB)."""
+    import cdmlfs.formats.tar as tar_format
+
+    monkeypatch.setattr(tar_format, "MAX_SPARSE_TOTAL", 5)  # segments of all sparse files together
+    archive = tmp_path / "s.tar"
+    endless = b"5\n" + b"7" * (4 << 20)  # 4 MiB of one "number"
+    archive.write_bytes(
+        _sparse_10(b"endless", [], 10, map_text=endless)
+        + _sparse_10(b"a", [(0, 2), (10, 2), (20, 2)], 30)
+        + _sparse_10(b"b", [(0, 1), (5, 1), (9, 1)], 12)  # 6 segments in all: over the bound
+        + _raw_member(b"ok", b"%011o\0" % 2, b"ok")
+        + bytes(1024)
+    )
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING), Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
+        assert sorted(ar.files()) == ["a", "ok"]
+        assert ar.read("a") == b"AA" + bytes(8) + b"BB" + bytes(8) + b"CC" + bytes(8)
+    assert time.monotonic() - started < 30  # was minutes for the 4 MiB line (a hang guard, not a target)
+    assert "'endless': sparse map line too long" in caplog.text
+    assert "'b': the archive's sparse maps pass 5 segments" in caplog.text
+
+
+def test_a_persisted_sparse_map_out_of_order_is_not_trusted() -> None:
+    from array import array
+
+    table = MemberTable()
+    table.append(FILE, "s", 0o644, 0.0, 100, 512, sparse=array("Q", [0, 10, 50, 10]))
+    assert MemberTable.decode(table.encode()).sparse[0] == array("Q", [0, 10, 50, 10])
+    table.sparse[0] = array("Q", [50, 10, 0, 10])  # what a tampered or corrupt index file could say
+    with pytest.raises(MemberTableError, match="out of order"):
+        MemberTable.decode(table.encode())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import zipfile
 from pathlib import Path
@@ -52,6 +53,10 @@ def test_modes_and_unix_name_bytes_as_unzip_gives_them(tmp_path: Path, mnt: Path
         _entry(zf, "ntfs_dir/", 11, 0x10)
         _entry(zf, "unix_000", 3, 0o100000 << 16)
         _entry(zf, "unix_750", 3, 0o100750 << 16)
+        for system, label in ((2, "vms"), (13, "acorn"), (16, "beos"), (19, "osx")):  # Unix bits or not
+            _entry(zf, f"{label}_640", system, 0o100640 << 16)
+        _entry(zf, "beos_link", 16, 0o120777 << 16, b"unix_750")
+        _entry(zf, "fat_link", 0, (0o120644 << 16) | 0x20, b"unix_750")  # bits agree with DOS ones
     src = tmp_path / "src"
     src.mkdir()
     latin = os.fsdecode(b"latin\xe9.txt")  # a Linux file name that is not UTF-8
@@ -66,10 +71,16 @@ def test_modes_and_unix_name_bytes_as_unzip_gives_them(tmp_path: Path, mnt: Path
         for dirpath, dirnames, filenames in os.walk(os.fsencode(root)):
             for name in dirnames + filenames:
                 full = os.path.join(dirpath, name)
-                out[os.path.relpath(full, os.fsencode(root))] = os.lstat(full).st_mode & 0o7777
+                out[os.path.relpath(full, os.fsencode(root))] = os.lstat(full).st_mode
         return out
 
     with mounted(archive, mnt):
         ours = listing(mnt)
     assert ours == listing(ref)
-    assert ours[b"latin\xe9.txt"] == 0o644 and ours[b"unix_000"] == 0 and ours[b"fat_readonly.txt"] == 0o444
+    assert ours[b"latin\xe9.txt"] == 0o100644 and ours[b"unix_000"] == 0o100000
+    assert (
+        ours[b"fat_readonly.txt"] == 0o100444
+        and ours[b"vms_640"] == 0o100640
+        and ours[b"osx_640"] == 0o100644
+    )
+    assert stat.S_ISLNK(ours[b"beos_link"]) and stat.S_ISLNK(ours[b"fat_link"])

@@ -90,8 +90,12 @@ _NO_DATA_TYPES = frozenset((th.LNKTYPE, th.DIRTYPE))
 _META_TYPES = frozenset((th.PAX_LOCAL, th.SOLARIS_PAX, th.PAX_GLOBAL, th.GNU_LONGNAME, th.GNU_LONGLINK))
 _PER_MEMBER_ONLY = frozenset(("path", "linkpath", "size"))
 MAX_MEMBER_SIZE = 1 << 62  # base-256 fields can say more; no stream is that long
-MAX_SPARSE_SEGMENTS = 1 << 20  # data segments of one sparse file (16 MiB of map in memory)
-MAX_SPARSE_MAP_BYTES = 32 << 20  # a 1.0 map at the start of the data: 1M segments of 2 lines
+# Sparse maps compress to almost nothing: bounded per member and per archive, so that a tiny
+# archive cannot make a huge index (about 40 bytes per segment once indexed).
+MAX_SPARSE_SEGMENTS = 1 << 18  # data segments of one sparse file
+MAX_SPARSE_TOTAL = 1 << 20  # ... and of all the sparse files of an archive
+MAX_SPARSE_MAP_BYTES = 16 << 20  # a 1.0 map at the start of the data: 256k segments of 2 lines
+MAX_SPARSE_LINE = 24  # a decimal 64-bit number and its newline
 MAX_MTIME = float(1 << 40)  # ~36,000 years: beyond that (or NaN) the mtime is shown as 0
 
 
@@ -124,7 +128,8 @@ LAST_SNIFFERS = [(_is_empty_tar, open_tar)]  # after the ZIP tail check (see loo
 class _ScanStats:
     def __init__(self) -> None:
         self.devices = 0
-        self.sparse = 0
+        self.sparse = 0  # sparse members skipped
+        self.sparse_segments = 0  # data segments of the sparse members kept
         self.other = 0
 
 
@@ -225,13 +230,17 @@ def scan_tar(view, members: MemberTable) -> int:
         pax = {}
         long_name = long_link = None
         if old_sparse is not None or (
-            typeflag in (th.REGTYPE, th.AREGTYPE) and any(k.startswith("GNU.sparse.") for k in attrs)
+            typeflag in (th.REGTYPE, th.AREGTYPE, th.CONTTYPE)
+            and any(k.startswith("GNU.sparse.") for k in attrs)
         ):
             sparse_name = attrs.get("GNU.sparse.name")
             if sparse_name:  # formats 0.1 and 1.0 keep the real name here ("./GNUSparseFile.123/x")
                 name = th.decode_name(sparse_name)
             try:
                 real, segments, skip = _sparse_layout(old_sparse, attrs, block, data_off, size, read)
+                stats.sparse_segments += len(segments) // 2
+                if stats.sparse_segments > MAX_SPARSE_TOTAL:
+                    raise _BadSparse(f"the archive's sparse maps pass {MAX_SPARSE_TOTAL} segments")
             except _BadSparse as exc:
                 stats.sparse += 1
                 log.warning("skipping member %r: %s", name, exc)
@@ -279,15 +288,20 @@ def _sparse_layout(
             flat = old_sparse
             skip = 0
         elif attrs.get("GNU.sparse.major") == b"1":
-            if attrs.get("GNU.sparse.minor") != b"0":
-                raise _BadSparse(f"sparse format 1.{attrs.get('GNU.sparse.minor')!r} is not known")
+            minor = attrs.get("GNU.sparse.minor", b"").decode("ascii", "replace")
+            if minor != "0":
+                raise _BadSparse(f"sparse format 1.{minor or '?'} is not known")
             real = int(attrs["GNU.sparse.realsize"])
             flat, skip = _sparse_map_in_data(read, data_off, stored)
         else:
             real = int(attrs.get("GNU.sparse.size") or attrs.get("GNU.sparse.realsize") or b"-1")
             text = attrs.get("GNU.sparse.map", b"")
+            if text.count(b",") >= 2 * MAX_SPARSE_SEGMENTS:
+                raise _BadSparse("sparse map with a huge number of values")
             flat = [int(x) for x in text.split(b",")] if text else []
             skip = 0
+    except _BadSparse:
+        raise
     except (KeyError, ValueError, th.TarHeaderError) as exc:
         raise _BadSparse(f"unreadable sparse map ({exc})") from None
     if len(flat) % 2 or len(flat) > 2 * MAX_SPARSE_SEGMENTS:
@@ -332,6 +346,9 @@ def _sparse_map_in_data(read, data_off: int, stored: int) -> tuple[list[int], in
                     raise _BadSparse(f"sparse map of {count} segments")
             elif len(numbers) < 2 * count:
                 numbers.append(int(line))
+        wanted = count is None or len(numbers) < 2 * count
+        if wanted and len(pending) > MAX_SPARSE_LINE:  # no newline in sight: never quadratic
+            raise _BadSparse("sparse map line too long")
     return numbers, at - data_off
 
 

@@ -246,6 +246,12 @@ class MemberTable:
             raise MemberTableError("member table links name members it does not have")
         if any(i >= n or table.kind[i] != FILE for i in table.sparse):
             raise MemberTableError("member table sparse maps name members that are not files")
+        for i, segments in table.sparse.items():  # in order, non-empty, within the file: as scanned
+            end = 0
+            for j in range(0, len(segments), 2):
+                if segments[j] < end or not segments[j + 1] or segments[j] + segments[j + 1] > table.size[i]:
+                    raise MemberTableError(f"member table sparse map of member {i} is out of order")
+                end = segments[j] + segments[j + 1]
         table.links = dict(zip(link_ids, links))
         if any(table.kind[i] not in (SYMLINK, HARDLINK) for i in table.links) or any(
             k in (SYMLINK, HARDLINK) and i not in table.links for i, k in enumerate(table.kind)

@@ -52,7 +52,11 @@ EXTRA_ZIP64 = 0x0001
 EXTRA_EXT_TIMESTAMP = 0x5455
 EXTRA_UNICODE_PATH = 0x7075
 METHOD_AES = 99
-UNIX_SYSTEMS = (3, 19)  # made by Unix / OS X: external attributes carry st_mode
+UNIX_SYSTEMS = (3, 19)  # made by Unix / OS X: names are the tool's own bytes
+# As unzip (unix/unix.c, mapattr): the systems whose external attributes' high word is st_mode,
+# and those whose S_IFLNK entries become symlinks (FAT: when the bits agree with the DOS ones).
+UNIX_MODE_SYSTEMS = frozenset((2, 3, 5, 12, 13, 16, 17, 30))  # VMS, Unix, Atari, QDOS, Acorn, BeOS, ...
+SYMLINK_SYSTEMS = frozenset((0, 2, 3, 5, 16, 30))
 FLAG_ENCRYPTED = 0x1
 FLAG_STRONG_ENCRYPTION = 0x40
 FLAG_UTF8 = 0x800
@@ -212,18 +216,20 @@ class ZipFormat:
                     mtime = dos_cache[dos] = _dos_to_epoch(ddate, dtime)
             # Kind and permissions from the external attributes.
             system = made_by >> 8
-            mode_hi = eattr >> 16
-            unix_mode = system in UNIX_SYSTEMS and mode_hi
-            if unix_mode:  # st_mode as the Unix tool saw it (a mode of 000 included, as unzip keeps it)
-                ftype = mode_hi & 0o170000
-                kind = DIR if ftype == statmod.S_IFDIR else SYMLINK if ftype == statmod.S_IFLNK else FILE
-                mode = mode_hi & 0o777
+            st_mode = _unix_mode(eattr, system, name)
+            if st_mode is not None:  # as the tool saw it (a mode of 000 included, as unzip keeps it)
+                ftype = st_mode & 0o170000
+                kind = (
+                    DIR if ftype == statmod.S_IFDIR
+                    else SYMLINK if ftype == statmod.S_IFLNK and system in SYMLINK_SYSTEMS
+                    else FILE
+                )  # fmt: skip
+                mode = st_mode & 0o777
             else:
-                kind = DIR if eattr & 0x10 else FILE
+                kind = DIR if eattr & 0x10 or name.endswith("/") else FILE
+                mode = _dos_mode(eattr, kind == DIR)
             if name.endswith("/"):
                 kind = DIR
-            if not unix_mode:
-                mode = _dos_mode(eattr, system, kind == DIR)
             eflags = NEEDS_LOCAL_HEADER
             if flags & (FLAG_ENCRYPTED | FLAG_STRONG_ENCRYPTION) or method == METHOD_AES:
                 eflags |= ENCRYPTED
@@ -313,19 +319,30 @@ def _decode_legacy_name(raw: bytes, system: int) -> str:
     return raw.decode("cp437")
 
 
-def _dos_mode(eattr: int, system: int, is_dir: bool) -> int:
-    """Permissions of an entry without Unix ones, as unzip gives them (with the usual umask 022).
+def _unix_mode(eattr: int, system: int, name: str) -> int | None:
+    """The st_mode in the external attributes' high word, when unzip would take it (else None).
 
-    The MS-DOS read-only attribute takes the write bits away. An entry made on FAT may still
-    carry Unix bits in the high word (PKZip for Unix, Python's zipfile on Windows): kept when
-    their owner part agrees with the DOS attributes, as unzip checks.
+    Unix-like systems store it there. An entry made on FAT may carry one too (PKZip for Unix,
+    Python's zipfile on Windows): taken when its owner bits agree with the DOS attributes
+    (read-only: no owner write; directory: owner exec), as unzip checks.
     """
-    writable = not eattr & 0x01
     mode_hi = eattr >> 16
-    owner = 0o400 | (0o200 if writable else 0) | (0o100 if is_dir else 0)
-    if system == 0 and mode_hi and mode_hi & 0o700 == owner:
-        return mode_hi & 0o777
-    return 0o444 | (0o200 if writable else 0) | (0o111 if is_dir else 0)
+    if not mode_hi:
+        return None
+    if system in UNIX_MODE_SYSTEMS:
+        return mode_hi
+    if system == 0:
+        is_dir = bool(eattr & 0x10) or name.endswith("/")
+        owner = 0o400 | (0 if eattr & 0x01 else 0o200) | (0o100 if is_dir else 0)
+        if mode_hi & 0o700 == owner:
+            return mode_hi
+    return None
+
+
+def _dos_mode(eattr: int, is_dir: bool) -> int:
+    """Permissions from MS-DOS attributes, as unzip gives them with the usual umask 022: the
+    read-only attribute takes the write bits away."""
+    return 0o444 | (0 if eattr & 0x01 else 0o200) | (0o111 if is_dir else 0)
 
 
 def _iter_extra(extra: bytes):

@@ -67,6 +67,11 @@ MAX_WINDOW = 1 << zstdframes.MAX_WINDOW_LOG  # larger windows need --long archiv
 
 
 def _zstd_error(exc: Exception, what: str) -> CorruptMemberError:
+    if "too much memory" in str(exc):  # a frame written with zstd --long: not damage (see check_window)
+        return CorruptMemberError(
+            f"{what} needs a decoding window over {MAX_WINDOW >> 20} MiB (written with zstd --long): "
+            "decompress the archive (zstd -d --long=31) and 'cdmlfs pack' the tar"
+        )
     return CorruptMemberError(f"corrupt zstd data in {what} ({exc})")
 
 
