@@ -1,7 +1,7 @@
 """Wire the C hot path (``cdmlfs._fastpath``) into a libfuse3 mount.
 
-The C module answers getattr and whole-member reads straight from the index
-columns; everything it does not handle goes to the Python callbacks mfusepy
+The C module answers getattr, whole-member reads, getxattr and directory listings
+straight from the index columns; everything it does not handle goes to the Python callbacks mfusepy
 built, so behaviour (errors, logging, the cache) stays defined in Python.
 ``CDMLFS_FASTPATH=0`` turns it off; it is also off with libfuse2 and when the
 extension is not built. ``cdmlfs doctor`` says which.
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 def availability(fuse_major: int | None = None) -> tuple[bool, str]:
     """Whether the C fast path can serve, and why not."""
-    ready = "C getattr/read callbacks"
+    ready = "C getattr/read/readdir callbacks"
     return extensions.availability("cdmlfs._fastpath", "CDMLFS_FASTPATH", fuse_major, ready)
 
 
@@ -64,7 +64,7 @@ def build_table(archive: Archive):
     }
     if getattr(archive.format, "name", "") != "zip":
         fd = -1  # only ZIP members (local headers, CRCs) are read in C; other formats keep C getattr only
-    return FastPath(
+    table = FastPath(
         ix._lookup,
         columns,
         fd,
@@ -73,6 +73,16 @@ def build_table(archive: Archive):
         os.getgid(),
         reader.whole_limit,
     )
+    # The tree for readdir in C: each directory's children (in name order) as a run of one array.
+    start = array("I", bytes(4 * n))
+    count = array("I", bytes(4 * n))
+    ids = array("I")
+    for eid, kids in ix._children.items():
+        start[eid] = len(ids)
+        count[eid] = len(kids)
+        ids.extend(kids)
+    table.set_tree(ix.parent, start, count, ids)
+    return table
 
 
 class HotExtents:
@@ -140,13 +150,17 @@ def installed(mfusepy, table) -> Iterator[None]:
         py_getattr = ctypes.cast(ops.getattr, ctypes.c_void_p).value
         py_read = ctypes.cast(ops.read, ctypes.c_void_p).value
         py_getxattr = ctypes.cast(ops.getxattr, ctypes.c_void_p).value or 0
+        py_readdir = ctypes.cast(ops.readdir, ctypes.c_void_p).value or 0
         if py_getattr and py_read:
-            fast_getattr, fast_read, fast_getxattr = table.activate(py_getattr, py_read, py_getxattr)
+            fast = table.activate(py_getattr, py_read, py_getxattr, py_readdir)
+            fast_getattr, fast_read, fast_getxattr, fast_readdir = fast
             ops.getattr = fields["getattr"](fast_getattr)
             ops.read = fields["read"](fast_read)
             if fast_getxattr:
                 ops.getxattr = fields["getxattr"](fast_getxattr)
-            log.debug("C fast path active for getattr, read and getxattr")
+            if fast_readdir:
+                ops.readdir = fields["readdir"](fast_readdir)
+            log.debug("C fast path active for getattr, read, getxattr and readdir")
         return real(argc, argv, ops_ptr, size, ctx)
 
     mfusepy.fuse_main_real = fuse_main_with_fast_path

@@ -294,6 +294,7 @@ class ArchiveOperations:
             fast["hot_extents"] = self.fast_table.hot_extents
             requests["getattr"] += fast["getattr_fast"]
             requests["read"] += fast["read_fast"]
+            requests["readdir"] += fast["readdir_fast"]
             served += fast["bytes_fast"]
             from_source += fast["bytes_source"]
         lookups = cache.stats.hits + cache.stats.misses

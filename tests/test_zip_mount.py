@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from archives import flip_byte_in_member, infozip, python_zip, sample_files, text_bytes, write_tree
-from mountutil import alive, daemon_pid, is_mounted, mounted, run_cli, tree, unzip
+from mountutil import alive, daemon_pid, is_mounted, mount_stats, mounted, run_cli, tree, unzip
 
 pytestmark = pytest.mark.fuse
 
@@ -589,3 +589,56 @@ def test_members_can_be_memory_mapped_unless_direct_io_is_asked_for(tmp_path: Pa
             assert f.read() == big
         with open(mnt / "small.txt", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
             assert m[:] == b"small"  # below the threshold: page cache, mmap-able
+
+
+def _listing(root: Path) -> dict[bytes, tuple]:
+    """Every directory entry below root as scandir gives it: inode, type and full stat, by bytes path."""
+    out: dict[bytes, tuple] = {}
+    todo = [os.fsencode(root)]
+    while todo:
+        d = todo.pop()
+        with os.scandir(d) as it:
+            for e in it:
+                rel = os.path.relpath(e.path, os.fsencode(root))
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError as exc:  # an inconsistent member: EIO on stat, by design
+                    out[rel] = ("error", exc.errno)
+                    continue
+                out[rel] = (
+                    e.inode(), e.is_dir(follow_symlinks=False), e.is_symlink(),
+                    st.st_mode, st.st_ino, st.st_nlink, st.st_size, st.st_mtime_ns, st.st_blocks,
+                )  # fmt: skip
+                if e.is_dir(follow_symlinks=False):
+                    todo.append(e.path)
+    return out
+
+
+def test_directory_listings_in_c_equal_python_ones(tmp_path: Path, mnt: Path, monkeypatch) -> None:
+    """readdir answered in C gives what Python gives: names, inodes, types and READDIRPLUS attributes;
+    directories with an entry C cannot describe (a name that is not UTF-8, an inconsistent member)
+    are listed by Python."""
+    from fuzz import craft
+
+    members = [craft.member(f"big/f{i:05d}.txt", b"x" * (i % 7)) for i in range(3000)]
+    members += [
+        craft.member("a/b/c/deep.txt", b"deep"),
+        craft.member("a/link", b"b/c/deep.txt", method=0, mode=0o120777),
+        craft.member("empty/", b"", method=0, mode=0o040755),
+        craft.member(b"raw/latin\xe9.txt", b"latin"),  # Unix name bytes that are not UTF-8
+        craft.member("raw/ok.txt", b"ok"),
+        craft.member("odd/liar.txt", b"", crc=1),  # declared empty with a CRC: inconsistent
+        craft.member("odd/fine.txt", b"fine"),
+    ]
+    archive = tmp_path / "l.zip"
+    archive.write_bytes(craft.build_zip(members))
+    seen = {}
+    for fast in ("1", "0"):
+        monkeypatch.setenv("CDMLFS_FASTPATH", fast)
+        with mounted(archive, mnt):
+            seen[fast] = _listing(mnt)
+            if fast == "1":
+                counters = mount_stats(mnt)["fast_path"]
+                assert counters["readdir_fast"] >= 5 and counters["readdir_fallback"] >= 2, counters
+    assert seen["1"] == seen["0"]
+    assert len(seen["1"]) == 3000 + 13
