@@ -405,7 +405,8 @@ def _format_stats(s: dict) -> str:
     ]
     if s.get("fast_path"):
         f = s["fast_path"]
-        lines.append(f"C path    {f['getattr_fast']:,} getattr, {f['read_fast']:,} reads and "
+        listings = f"{f.get('readdir_fast', 0):,} listings ({f.get('readdir_fallback', 0):,} in Python)"
+        lines.append(f"C path    {f['getattr_fast']:,} getattr, {f['read_fast']:,} reads, {listings} and "
                      f"{f.get('getxattr_fast', 0):,} getxattr served in C "
                      f"({f['getattr_fallback']:,} / {f['read_fallback']:,} passed to Python), "
                      f"{f.get('hot_extents', 0):,} decoded extents readable in C")  # fmt: skip

@@ -49,6 +49,8 @@ def test_stats_count_what_was_served(both_paths: str, tmp_path: Path, mnt: Path)
             assert exc.value.errno == errno.ENODATA
         if both_paths == "1":
             assert mount_stats(mnt)["fast_path"]["getxattr_fast"] >= 2
+            os.listdir(mnt)
+            assert "listings (" in run_cli("stats", str(mnt), check=True).stdout.decode()
 
 
 def test_stats_on_a_plain_directory_is_a_one_line_error(tmp_path: Path) -> None:
