@@ -251,3 +251,27 @@ def test_an_unreadable_file_stops_the_pack_instead_of_being_zero_filled(
     with pytest.raises(PermissionError):
         b"".join(entry.read())
     assert changed == []
+
+
+def test_listing_a_directory_to_pack_holds_little_per_file(tmp_path: Path) -> None:
+    """Packing holds every file's entry until the end: a million files took ~1.2 GB when each held
+    two closures; a small object per file halves that."""
+    import tracemalloc
+
+    from cdmlfs.pack import entries_from_directory
+
+    root = tmp_path / "many"
+    for d in range(20):
+        (root / f"d{d:02d}").mkdir(parents=True)
+        for i in range(1000):
+            (root / f"d{d:02d}" / f"img_{i:05d}.jpg").write_bytes(b"x")
+    tracemalloc.start()
+    try:
+        entries = entries_from_directory(str(root))
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(entries) == 20 * 1001
+    assert held / len(entries) < 800, f"{held / len(entries):.0f} bytes per entry"
+    first = next(e for e in entries if e.read is not None)
+    assert b"".join(first.read()) == b"x"
