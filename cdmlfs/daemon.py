@@ -116,6 +116,13 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
             human_bytes(archive.cache.limit),
             "multithreaded" if multithreaded else "single-threaded",
         )
+        if ready_fd is None and not log.isEnabledFor(logging.INFO):  # foreground: say it once
+            print(
+                f"cdmlfs: mounted {archive.location} on {opts.mountpoint}; "
+                f"Ctrl-C or 'cdmlfs umount {opts.mountpoint}' unmounts",
+                file=sys.stderr,
+                flush=True,
+            )
 
     mounted_once = []
 

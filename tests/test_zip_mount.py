@@ -450,6 +450,8 @@ def test_foreground_mode_serves_and_stops_on_sigint(tmp_path: Path, mnt: Path) -
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=20) == 0
         assert not is_mounted(mnt)
+        said = proc.stderr.read().decode()  # one line says it is mounted and how to stop it
+        assert f"mounted {archive} on {mnt}" in said and "Ctrl-C" in said, said
     finally:
         if proc.poll() is None:
             proc.kill()
