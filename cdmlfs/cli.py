@@ -272,7 +272,12 @@ def cmd_extract(args: argparse.Namespace) -> int:
     with archive:
         os.makedirs(args.directory, exist_ok=True)
         for path in args.paths:
-            out = archive.extract(path, args.directory)
+            try:
+                out = archive.extract(path, args.directory)
+            except OSError as exc:
+                if exc.filename is None and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    exc.filename = args.directory  # a write that failed: say where
+                raise
             if args.verbose:
                 print(out)
     return 0
@@ -300,6 +305,10 @@ def cmd_pack(args: argparse.Namespace) -> int:
             progress=progress,
             **_source_options(args),
         )
+    except OSError as exc:
+        if exc.filename is None and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            exc.filename = args.output  # a write that failed: say where (main prints the name)
+        raise
     finally:
         if progress is not None:
             progress.close()
