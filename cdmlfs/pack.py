@@ -113,13 +113,18 @@ class _FileChunks:
     and their cells were ~400 bytes a file, a third of what packing a million files held).
     """
 
-    __slots__ = ("changed", "ident", "path", "size")
+    __slots__ = ("changed", "ident", "rel", "root", "size")
 
-    def __init__(self, path: str, size: int, ident: tuple[int, int], changed: list[str]) -> None:
-        self.path = path
+    def __init__(self, root: str, rel: str, size: int, ident: tuple[int, int], changed: list[str]) -> None:
+        self.root = root  # shared by every file: the path is joined when the file is read
+        self.rel = rel  # the member's name (held by its entry anyway)
         self.size = size
         self.ident = ident
         self.changed = changed
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.root, self.rel)
 
     def _lost(self, n: int, why: str, *args) -> Iterator[bytes]:
         """The member keeps its announced size: ``n`` zero bytes, warned about and counted."""
@@ -199,7 +204,7 @@ def entries_from_directory(
         elif statmod.S_ISREG(mode):
             key = (st.st_dev, st.st_ino)
             first = seen_inodes.get(key) if st.st_nlink > 1 else None
-            chunks = _FileChunks(item.path, st.st_size, key, changed)
+            chunks = _FileChunks(root, rel, st.st_size, key, changed)
             if first is not None:
                 out.append(PackEntry(rel, HARDLINK, size=st.st_size, link=first, read=chunks, **common))
             else:
