@@ -185,6 +185,8 @@ class ProxyStats:
     body_bytes: int = 0
     faults: int = 0
     max_in_flight: int = 0  # most ranged GETs being answered at once (parallel requests)
+    # (method, path, Host, Authorization) of every request, as the client sent them
+    seen: deque = field(default_factory=lambda: deque(maxlen=10_000))
     log: deque = field(default_factory=lambda: deque(maxlen=10_000))  # (method, range, status, bytes to send)
 
 
@@ -306,6 +308,10 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         return self._conn
 
     def _forward(self) -> None:
+        with self.owner._lock:
+            self.owner.stats.seen.append(
+                (self.command, self.path, self.headers.get("Host", ""), self.headers.get("Authorization"))
+            )
         ranged = self.command == "GET" and "Range" in self.headers
         if ranged:
             with self.owner._lock:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import pickle
 import random
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import s3util
 from archives import python_zip, sample_files
+from mountutil import run_cli
 
 from cdmlfs.archive import Archive
 from cdmlfs.errors import SourceChangedError, SourceError, UsageError
@@ -512,3 +514,35 @@ def test_one_deadline_thread_per_process(moto_s3, tmp_path: Path) -> None:
         with Archive("s3://deadlines/w.zip", endpoint_url=moto_s3.url) as remote:
             assert remote.read("big/stored.bin", 0, 10)
     assert sum(t.name == "cdmlfs-deadlines" for t in threading.enumerate()) <= 1
+
+
+def test_cli_s3_options_shape_the_requests(moto_s3, proxy_to, tmp_path: Path) -> None:
+    """--profile, --region, --no-sign-request and --addressing-style, seen in the requests the CLI
+    sends (moto answers without checking signatures; the proxy records what arrived)."""
+    moto_s3.put("opts", "d/a.zip", _small_zip(tmp_path))
+    moto_s3.client().put_object_acl(Bucket="opts", Key="d/a.zip", ACL="public-read")  # for the unsigned read
+    proxy = proxy_to(moto_s3)
+    base = ["ls", "--endpoint-url", proxy.url, "s3://opts/d/a.zip"]
+
+    def requests(*extra: str, env: dict | None = None) -> list[tuple]:
+        proxy.reset_stats()
+        res = run_cli(*base[:1], *extra, *base[1:], env={**os.environ, **(env or {})})
+        assert res.returncode == 0 and b"readme.txt" in res.stdout, res.stderr.decode()
+        assert proxy.stats.seen, "no request reached the endpoint"
+        return list(proxy.stats.seen)
+
+    # Default: signed with the environment's key, path style (the bucket in the path).
+    for _method, path, host, auth in requests():
+        assert path.startswith("/opts/") and host.startswith("127.0.0.1"), (path, host)
+        assert auth and "Credential=testing/" in auth and "/us-east-1/s3/" in auth, auth
+    # --region: the signature's scope names it.
+    assert all("/eu-west-3/s3/" in auth for *_, auth in requests("--region", "eu-west-3"))
+    # --no-sign-request: no signature at all.
+    assert all(auth is None for *_, auth in requests("--no-sign-request"))
+    # --profile: that profile's keys, from the shared credentials file.
+    creds = tmp_path / "credentials"
+    creds.write_text("[team]\naws_access_key_id = AKIDTEAM\naws_secret_access_key = secret\n")
+    seen = requests("--profile", "team", env={"AWS_SHARED_CREDENTIALS_FILE": str(creds)})
+    assert all(auth and "Credential=AKIDTEAM/" in auth for *_, auth in seen)
+    # --addressing-style path, asked for: the same as the default with an endpoint.
+    assert all(path.startswith("/opts/") for _, path, *_ in requests("--addressing-style", "path"))
