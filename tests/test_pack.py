@@ -275,3 +275,37 @@ def test_listing_a_directory_to_pack_holds_little_per_file(tmp_path: Path) -> No
     assert held / len(entries) < 800, f"{held / len(entries):.0f} bytes per entry"
     first = next(e for e in entries if e.read is not None)
     assert b"".join(first.read()) == b"x"
+
+
+def test_names_that_are_not_utf8_and_special_mode_bits(tmp_path: Path) -> None:
+    """A file name that is not UTF-8: kept byte for byte in .tar.zst, refused (one line) for .zip,
+    which cannot store it as it is. setuid, setgid and sticky bits are not carried over."""
+    import stat
+
+    src = tmp_path / "src"
+    src.mkdir()
+    raw = os.fsdecode(b"caf\xe9.txt")
+    (src / raw).write_bytes(b"latin-1 name")
+    special = src / "tool"
+    special.write_bytes(b"#!/bin/sh\n")
+    special.chmod(0o4755)
+    sticky = src / "shared"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    packed = cdmlfs_pack(src, tmp_path / "o.tar.zst")
+    out = extract(packed, tmp_path / "x")
+    assert (out / raw).read_bytes() == b"latin-1 name"  # tar -x gives back the same bytes
+    assert stat.S_IMODE((out / "tool").stat().st_mode) == 0o4755  # from a directory: as tar keeps it
+    with Archive(str(packed), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.read(raw) == b"latin-1 name"
+        assert stat.S_IMODE(ar.stat("tool").mode) == 0o755  # a mount never shows them
+    # Converting an archive keeps permission bits, not the special ones (README).
+    converted = cdmlfs_pack(gnu_tar(tmp_path / "s.tar", src), tmp_path / "c.tar.zst")
+    out = extract(converted, tmp_path / "y")
+    assert stat.S_IMODE((out / "tool").stat().st_mode) == 0o755
+    assert stat.S_IMODE((out / "shared").stat().st_mode) == 0o777
+    assert (out / raw).read_bytes() == b"latin-1 name"
+    res = run_cli("pack", "-q", str(src), str(tmp_path / "o.zip"))
+    err = res.stderr.decode().strip()
+    assert res.returncode != 0 and "UTF-8" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o.zip").exists()

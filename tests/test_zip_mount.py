@@ -644,3 +644,34 @@ def test_directory_listings_in_c_equal_python_ones(tmp_path: Path, mnt: Path, mo
                 assert counters["readdir_fast"] >= 5 and counters["readdir_fallback"] >= 2, counters
     assert seen["1"] == seen["0"]
     assert len(seen["1"]) == 3000 + 13
+
+
+def test_nonempty_option_default_log_path_and_the_pure_python_paths(tmp_path: Path) -> None:
+    """-o nonempty mounts over files; without --log-file the daemon logs where the README says
+    ($XDG_STATE_HOME/cdmlfs/<mount point>-<hash>.log) and -v prints that path; with the C
+    accelerators and our FUSE loop turned off (CDMLFS_NATIVE=0, CDMLFS_FASTPATH=0,
+    CDMLFS_FUSELOOP=0) the mount serves the same bytes."""
+    files = sample_files()
+    archive = python_zip(tmp_path / "a.zip", files)
+    over = tmp_path / "over"
+    over.mkdir()
+    (over / "hidden.txt").write_text("under the mount")
+    state = Path(os.environ["XDG_STATE_HOME"]) / "cdmlfs"
+    env = {**os.environ, "CDMLFS_NATIVE": "0", "CDMLFS_FASTPATH": "0", "CDMLFS_FUSELOOP": "0"}
+    res = run_cli("mount", "-v", "-o", "nonempty", str(archive), str(over), env=env)
+    try:
+        assert res.returncode == 0, res.stderr.decode()
+        logs = [
+            p for p in state.glob("*.log") if p.name.startswith(str(over).strip("/").replace("/", "_")[-120:])
+        ]
+        assert len(logs) == 1 and str(logs[0]) in res.stdout.decode(), (logs, res.stdout)
+        assert not (over / "hidden.txt").exists()
+        for name, data in files.items():
+            assert (over / name).read_bytes() == data, name
+        stats = mount_stats(over)
+        assert stats["loop"] is None and stats["fast_path"] is None  # libfuse's own loop, Python callbacks
+        doctor = run_cli("doctor", env=env, check=True).stdout.decode()
+        assert "CDMLFS_NATIVE=0" in doctor and "CDMLFS_FASTPATH=0" in doctor
+    finally:
+        run_cli("umount", str(over))
+    assert (over / "hidden.txt").read_text() == "under the mount"
