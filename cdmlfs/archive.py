@@ -319,8 +319,9 @@ class Archive:
             check_inside(root, os.path.join(out, "."))
             os.makedirs(out, exist_ok=True)
             folders = [eid]
+            written: dict[int, str] = {}  # data entry -> the file written for it, for hard links
             for c in index.walk(eid):
-                self._extract_one(c, os.path.join(dest_dir, index.paths[c]), chunk, root)
+                self._extract_one(c, os.path.join(dest_dir, index.paths[c]), chunk, root, written)
                 if index.kind[c] == DIR and c != eid:
                     folders.append(c)
             # Directory modes and mtimes last, deepest first, as tar -x does: writing into a folder
@@ -335,8 +336,14 @@ class Archive:
         self._extract_one(eid, out, chunk, root)
         return out
 
-    def _extract_one(self, eid: int, out: str, chunk: int, root: str) -> None:
-        """One entry; nothing is written outside ``root``, even through links already there."""
+    def _extract_one(
+        self, eid: int, out: str, chunk: int, root: str, written: dict[int, str] | None = None
+    ) -> None:
+        """One entry; nothing is written outside ``root``, even through links already there.
+
+        With ``written`` (a directory being extracted), the names of a tar hard link become hard
+        links again, as ``tar -x`` makes them: the first is written, the others linked to it.
+        """
         index = self.index
         kind = index.kind[eid]
         if kind == DIR:
@@ -352,8 +359,21 @@ class Archive:
             with contextlib.suppress(OSError, NotImplementedError):  # as tar -x: the link's own mtime
                 os.utime(out, (index.mtime[eid], index.mtime[eid]), follow_symlinks=False)
             return
+        data = index.data_entry(eid)
+        linked = written is not None and (eid in index.hardlink_of or data in index.nlink_extra)
+        if linked and data in written:
+            tmp = f"{out}.cdmlfs-link-{os.getpid()}"
+            try:
+                os.link(written[data], tmp)
+                os.replace(tmp, out)
+                return
+            except OSError:  # a file system without hard links: a copy, as before
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
         raw = MemberFile(self.reader, eid, index.paths[eid])
         write_atomically(out, raw, mode=index.mode[eid], mtime=index.mtime[eid], chunk=chunk)
+        if linked:
+            written[data] = out  # type: ignore[index]
 
 
 class MemberFile(io.RawIOBase):

@@ -282,3 +282,15 @@ def test_sparse_members_read_as_tar_extracts_them(how: str, tmp_path: Path, mnt:
     # cdmlfs pack writes them out whole (holes as zeros): tar -x of the result gives the same files.
     packed = cdmlfs_pack(archive, tmp_path / "packed.tar.zst")
     assert tree(extract(packed, tmp_path / "from-packed")) == expected
+
+
+def test_extracting_a_folder_makes_hard_links_again(src: Path, tmp_path: Path) -> None:
+    """As tar -x does: the names of one file in the archive share one inode once extracted."""
+    archive = gnu_tar(tmp_path / "h.tar", src, "gnu")
+    with Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
+        out = Path(ar.extract("", str(tmp_path / "out")))
+    a, b, c = (os.stat(out / p) for p in ("hardlink_a", "data/hardlink_b", "many/f001.txt"))
+    assert a.st_ino == b.st_ino == c.st_ino and a.st_nlink == 3
+    assert (out / "hardlink_a").read_bytes() == (src / "hardlink_a").read_bytes()
+    reference = tree(extract(archive, tmp_path / "ref"))
+    assert tree(out) == reference
