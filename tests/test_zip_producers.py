@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import zipfile
@@ -84,3 +85,39 @@ def test_modes_and_unix_name_bytes_as_unzip_gives_them(tmp_path: Path, mnt: Path
         and ours[b"osx_640"] == 0o100644
     )
     assert stat.S_ISLNK(ours[b"beos_link"]) and stat.S_ISLNK(ours[b"fat_link"])
+
+
+def test_ntfs_timestamps_give_mtimes_to_the_100_ns(tmp_path: Path, mnt: Path) -> None:
+    """7-Zip and WinZip store Windows FILETIMEs (NTFS extra field 0x000A): mtimes to 100 ns where
+    the DOS time has 2 s. They win over the extended timestamp's whole seconds."""
+    import struct
+
+    when_ns = 1_714_979_289_123_456_700  # 2024-05-06 07:08:09.1234567 UTC
+    filetime = when_ns // 100 + 116_444_736_000_000_000
+    ntfs = struct.pack("<IHH3Q", 0, 1, 24, filetime, filetime, filetime)
+    ut = struct.pack("<BI", 1, when_ns // 10**9 - 3600)  # an hour off: NTFS must win
+    archive = tmp_path / "t.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        for name, extra in (("ntfs.txt", struct.pack("<HH", 0x000A, len(ntfs)) + ntfs),
+                            ("both.txt", struct.pack("<HH", 0x5455, len(ut)) + ut
+                             + struct.pack("<HH", 0x000A, len(ntfs)) + ntfs)):  # fmt: skip
+            info = zipfile.ZipInfo(name, (2024, 5, 6, 9, 8, 8))
+            info.extra = extra
+            zf.writestr(info, b"x")
+    with cdmlfs.open(str(archive)) as ar:
+        for name in ("ntfs.txt", "both.txt"):
+            assert abs(ar.stat(name).mtime - when_ns / 1e9) < 1e-6, name
+    with mounted(archive, mnt):
+        for name in ("ntfs.txt", "both.txt"):
+            assert abs(os.stat(mnt / name).st_mtime_ns - when_ns) < 1000, name
+    if shutil.which("7z"):  # the real producer, when installed
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "f.bin").write_bytes(b"y")
+        os.utime(src / "f.bin", ns=(when_ns, when_ns))
+        made = tmp_path / "7z.zip"
+        subprocess.run(
+            ["7z", "a", "-tzip", "-mtc=on", str(made), "f.bin"], cwd=src, check=True, capture_output=True
+        )
+        with cdmlfs.open(str(made)) as ar:
+            assert abs(ar.stat("f.bin").mtime - when_ns / 1e9) < 1e-6

@@ -51,6 +51,7 @@ LFH_SIG = 0x04034B50
 EXTRA_ZIP64 = 0x0001
 EXTRA_EXT_TIMESTAMP = 0x5455
 EXTRA_UNICODE_PATH = 0x7075
+EXTRA_NTFS = 0x000A  # Windows FILETIMEs (7-Zip, WinZip)
 METHOD_AES = 99
 UNIX_SYSTEMS = (3, 19)  # made by Unix / OS X: names are the tool's own bytes
 # As unzip (unix/unix.c, mapattr): the systems whose external attributes' high word is st_mode,
@@ -377,17 +378,35 @@ def _zip64_values(extra: bytes, usize: int, csize: int, loff: int) -> tuple[int,
 
 
 def _time_and_unicode_path(extra: bytes, name_b: bytes) -> tuple[float | None, str | None]:
-    mtime = None
+    """The mtime from the extra fields (NTFS, 100 ns, as 7-Zip writes it, over the extended
+    timestamp's whole seconds), and the Info-ZIP unicode path; None where they have none."""
+    mtime = ntfs = None
     upath = None
     for hid, body in _iter_extra(extra):
         if hid == EXTRA_EXT_TIMESTAMP and len(body) >= 5 and body[0] & 1:
             (mtime,) = struct.unpack_from("<i", body, 1)
             mtime = float(mtime)
+        elif hid == EXTRA_NTFS:
+            ntfs = _ntfs_mtime(body)
         elif hid == EXTRA_UNICODE_PATH and len(body) >= 5 and body[0] == 1:
             (ncrc,) = struct.unpack_from("<I", body, 1)
             if ncrc == zlib.crc32(name_b):  # stale if another tool renamed the entry
                 upath = body[5:].decode("utf-8", "surrogateescape")
-    return mtime, upath
+    return (ntfs if ntfs is not None else mtime), upath
+
+
+def _ntfs_mtime(body: bytes) -> float | None:
+    """Modification time of an NTFS extra field (0x000A): 4 reserved bytes, then tagged attributes;
+    tag 1 holds mtime, atime, ctime as Windows FILETIMEs (100 ns since 1601-01-01 UTC)."""
+    pos = 4
+    while pos + 4 <= len(body):
+        tag, size = struct.unpack_from("<HH", body, pos)
+        pos += 4
+        if tag == 1 and size >= 8 and pos + 8 <= len(body):
+            (ft,) = struct.unpack_from("<Q", body, pos)
+            return (ft - 116_444_736_000_000_000) / 1e7 if ft else None  # integers first: exact to 0.2 µs
+        pos += size
+    return None
 
 
 def _dos_to_epoch(ddate: int, dtime: int) -> float:
