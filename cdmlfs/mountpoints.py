@@ -26,24 +26,34 @@ def _unescape(field: str) -> str:
     return "".join(out)
 
 
-def mount_entry(path: str) -> dict[str, str] | None:
-    """The mountinfo entry whose mount point is ``path`` (last one wins), or None."""
-    target = os.path.realpath(path) if os.path.exists(path) or _is_dead(path) else os.path.abspath(path)
-    found = None
+def _mounts() -> list[dict[str, str]]:
+    """Every mountinfo entry in mount order (mount ID, mount point, type, source); [] if unreadable."""
+    out = []
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
             for line in f:
                 parts = line.split()
                 sep = parts.index("-")
-                if _unescape(parts[4]) == target:
-                    found = {
+                out.append(
+                    {
                         "id": parts[0],
-                        "mountpoint": target,
+                        "mountpoint": _unescape(parts[4]),
                         "fstype": parts[sep + 1],
                         "source": _unescape(parts[sep + 2]),
                     }
+                )
     except OSError:
-        return None
+        return []
+    return out
+
+
+def mount_entry(path: str) -> dict[str, str] | None:
+    """The mountinfo entry whose mount point is ``path`` (last one wins), or None."""
+    target = os.path.realpath(path) if os.path.exists(path) or _is_dead(path) else os.path.abspath(path)
+    found = None
+    for entry in _mounts():
+        if entry["mountpoint"] == target:
+            found = entry
     return found
 
 
@@ -133,16 +143,7 @@ def _gone(path: str, mount_id: tuple[str, str] | None) -> bool:
     them (the kernel hands a freed ID to the next mount at once, wherever it is)."""
     if mount_id is None:
         return not is_mounted(path)
-    ident, where = mount_id
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-            for line in f:
-                parts = line.split(" ", 5)
-                if parts[0] == ident and _unescape(parts[4]) == where:
-                    return False
-        return True
-    except OSError:
-        return not is_mounted(path)
+    return all((entry["id"], entry["mountpoint"]) != mount_id for entry in _mounts())
 
 
 def _wait_unmounted(path: str, mount_id: tuple[str, str] | None, timeout: float) -> bool:
