@@ -66,11 +66,15 @@ SCRATCH_MAX = 8 << 20  # frames compressed to more than this are read into fresh
 MAX_WINDOW = 1 << zstdframes.MAX_WINDOW_LOG  # larger windows need --long archives
 
 
+# What to do with an archive written with zstd --long (check_window, _zstd_error).
+_LONG_WINDOW_HINT = "decompress the archive (zstd -d --long=31) and 'cdmlfs pack' the tar"
+
+
 def _zstd_error(exc: Exception, what: str) -> CorruptMemberError:
     if "too much memory" in str(exc):  # a frame written with zstd --long: not damage (see check_window)
         return CorruptMemberError(
             f"{what} needs a decoding window over {MAX_WINDOW >> 20} MiB (written with zstd --long): "
-            "decompress the archive (zstd -d --long=31) and 'cdmlfs pack' the tar"
+            + _LONG_WINDOW_HINT
         )
     return CorruptMemberError(f"corrupt zstd data in {what} ({exc})")
 
@@ -197,7 +201,7 @@ def check_window(source: Source, i: int, offset: int, comp_size: int) -> None:
         raise ArchiveFormatError(
             f"zstd frame #{i} needs a {window >> 20} MiB decoding window (written with zstd --long); "
             f"cdmlfs decodes windows of up to {MAX_WINDOW >> 20} MiB to keep its memory bound: "
-            "decompress it (zstd -d --long=31) and 'cdmlfs pack' the tar"
+            + _LONG_WINDOW_HINT
         )
 
 
@@ -280,7 +284,6 @@ class ZstdStream:
         self.frames = frames
         self.total = frames.total
         self.whole_max = DEFAULT_WHOLE_MAX
-        self._keep_passed = DEFAULT_WHOLE_MAX
         self.piece = DEFAULT_PIECE
         self._fd = source.fileno() if hasattr(source, "fileno") else None
         self._cache: ExtentCache | None = None
@@ -321,7 +324,6 @@ class ZstdStream:
         """
         self.whole_max = max(whole_max, piece)
         self.piece = piece
-        self._keep_passed = self.whole_max  # bytes of passed pieces worth keeping (see _skip_to)
         self._cache = cache
         whole = [s for s in self.frames.dec_size if s <= self.whole_max]
         largest = max(whole, default=0)
@@ -641,14 +643,7 @@ class ZstdStream:
                 reader = cur.reader
                 if cur.pos < target:
                     self._skip_to(cur, i, target, piece, where, frame_size)
-                parts = []
-                got = 0
-                while got < length:
-                    chunk = reader.read(length - got)
-                    if not chunk:
-                        raise CorruptMemberError(f"{where} ended after {cur.pos + got} of {frame_size} bytes")
-                    parts.append(chunk)
-                    got += len(chunk)
+                data = _read_piece(reader, length, cur.pos, where, frame_size)
                 cur.pos += length
                 if cur.pos == frame_size and reader.read(1):  # also makes zstd check the frame checksum
                     raise CorruptMemberError(f"{where} decodes to more than {frame_size} bytes")
@@ -658,7 +653,7 @@ class ZstdStream:
             except CorruptMemberError:
                 cur.reader = None
                 raise
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        return data
 
     def _skip_to(self, cur: _Cursor, i: int, target: int, piece: int, where: str, frame_size: int) -> None:
         """Move the decoder forward to ``target``, keeping the last pieces it passes in the cache.
@@ -677,21 +672,14 @@ class ZstdStream:
         while cur.pos < target:
             k, into = divmod(cur.pos, piece)
             room = None
-            if into == 0 and target - cur.pos <= self._keep_passed and self._cache is not None:
+            if into == 0 and target - cur.pos <= self.whole_max and self._cache is not None:
                 key = ("zp", i, k, piece)
                 if self._cache.peek(key) is None:
                     room = self._cache.hold(min(piece, frame_size - cur.pos), wait=False)
             if room is not None:
                 try:
                     length = room.remaining
-                    data = reader.read(length)
-                    while len(data) < length:  # a stream reader may return less than asked
-                        more = reader.read(length - len(data))
-                        if not more:
-                            raise CorruptMemberError(
-                                f"{where} ended after {cur.pos + len(data)} of {frame_size} bytes"
-                            )
-                        data += more
+                    data = _read_piece(reader, length, cur.pos, where, frame_size)
                     cur.pos += length
                     room.commit(key, data)
                 finally:
@@ -702,6 +690,19 @@ class ZstdStream:
             if n <= 0:
                 raise CorruptMemberError(f"{where} ended after {cur.pos} of {frame_size} bytes")
             cur.pos += n
+
+
+def _read_piece(reader, length: int, at: int, where: str, frame_size: int) -> bytes:
+    """``length`` bytes from a zstd stream reader (which may return less than asked at a time)."""
+    parts = []
+    got = 0
+    while got < length:
+        chunk = reader.read(length - got)
+        if not chunk:
+            raise CorruptMemberError(f"{where} ended after {at + got} of {frame_size} bytes")
+        parts.append(chunk)
+        got += len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 # -- scan views (index time) --------------------------------------------------------
