@@ -265,6 +265,12 @@ def cmd_cat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _name_failed_write(exc: OSError, where: str) -> None:
+    """A write that failed for lack of room names no file: say where (``main`` prints the name)."""
+    if exc.filename is None and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        exc.filename = where
+
+
 def cmd_extract(args: argparse.Namespace) -> int:
     if os.path.exists(args.directory) and not os.path.isdir(args.directory):
         raise UsageError(f"{args.directory}: not a directory (the -C destination)")
@@ -275,8 +281,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
             try:
                 out = archive.extract(path, args.directory)
             except OSError as exc:
-                if exc.filename is None and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                    exc.filename = args.directory  # a write that failed: say where
+                _name_failed_write(exc, args.directory)
                 raise
             if args.verbose:
                 print(out)
@@ -306,8 +311,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
             **_source_options(args),
         )
     except OSError as exc:
-        if exc.filename is None and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            exc.filename = args.output  # a write that failed: say where (main prints the name)
+        _name_failed_write(exc, args.output)
         raise
     finally:
         if progress is not None:

@@ -317,8 +317,8 @@ def _sparse_layout(
         if length:
             segments += array("Q", (offset, length))
         end = offset + length
-    if sum(segments[1::2]) != stored - skip:
-        covered = sum(segments[1::2])
+    covered = sum(segments[1::2])
+    if covered != stored - skip:
         raise _BadSparse(f"sparse map covers {covered} bytes of data, the member has {stored - skip}")
     return real, segments, skip
 

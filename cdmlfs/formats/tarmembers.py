@@ -123,7 +123,7 @@ class MemberTable:
                 if segments is None:
                     add(names[i], FILE, mode, mtime, size, IN_STREAM, offset, size, crc, file_flags)
                 else:
-                    stored = sum(segments[1::2])
+                    stored = self.stored_size(i)
                     eid = add(names[i], FILE, mode, mtime, size, IN_STREAM, offset, stored, 0, SPARSE)
                     if eid is not None:
                         builder.set_sparse(eid, segments)
