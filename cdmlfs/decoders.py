@@ -196,5 +196,7 @@ def at_end(stream) -> bool:
         return not stream.read(1)
     except EOFError:
         return True
+    except SourceError:
+        raise  # a network or disk error says nothing about the member: never call it corrupt
     except Exception:
-        return False
+        return False  # the decoder failed past the declared end: trailing garbage, corrupt

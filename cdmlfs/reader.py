@@ -289,6 +289,15 @@ class ExtentReader:
             raise UnsupportedMethodError(
                 f"compression method {decoders.method_name(method)} is not supported"
             )
+        except CorruptMemberError as exc:
+            # Damage does not heal: every later read fails at once, with the same reason, instead
+            # of decoding the member again (a multi-GiB deflated one for seconds, each time).
+            if self._verified[eid] != CORRUPT:
+                self._corrupt[eid] = exc.reason
+                self._verified[eid] = CORRUPT
+            if exc.member is None:
+                exc.member = ix.paths[eid]
+            raise
         except MemberError as exc:
             if exc.member is None:
                 exc.member = ix.paths[eid]

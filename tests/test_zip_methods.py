@@ -51,3 +51,53 @@ def test_a_large_member_with_a_wrong_crc_serves_no_byte(method: int, tmp_path: P
             with pytest.raises(CorruptMemberError, match="CRC"):
                 ar.read("bad", off, 4096)
         assert ar.read("ok") == b"fine"
+
+
+@pytest.mark.parametrize("size", [50_000, 3_000_000], ids=["whole", "large"])
+@pytest.mark.parametrize("method", [8, *sorted(METHODS)], ids=lambda m: METHODS.get(m, "deflate"))
+def test_a_failed_member_is_not_decoded_again(method: int, size: int, tmp_path: Path) -> None:
+    """Once a member fails its check, later reads fail at once: a multi-GiB deflated member used to
+    be inflated again (its checkpoints rebuilt) on every read, blocking the mount for seconds each."""
+    content = text_bytes(size, 4)
+    path = tmp_path / "m.zip"
+    members = [_member("bad", method, content, crc_xor=1), craft.member("ok", b"fine")]
+    path.write_bytes(craft.build_zip(members))
+    with cdmlfs.open(str(path), cache_size=8 << 20) as ar:
+
+        def source_bytes() -> int:
+            return ar.source.bytes_read + ar.reader.bytes_direct
+
+        with pytest.raises(CorruptMemberError, match="CRC"):
+            ar.read("bad", 0, 4096)
+        spent = source_bytes()
+        assert spent > 0
+        for off in (size // 3, size // 2, size - 10, 0):
+            with pytest.raises(CorruptMemberError, match="CRC"):
+                ar.read("bad", off, 4096)
+        assert source_bytes() == spent
+        assert ar.read("ok") == b"fine"
+
+
+def test_a_read_error_at_a_members_end_is_not_called_corruption() -> None:
+    """Past the declared size the decoder reads on to see whether more follows: a network error
+    there (an S3 reset) must stay a SourceError (EIO now, fine on retry), never mark the member
+    corrupt for the rest of the mount as "decodes to more bytes than declared"."""
+    from cdmlfs import decoders
+    from cdmlfs.errors import SourceError
+
+    class ResetAtEnd:
+        def read(self, n: int) -> bytes:
+            raise SourceError("connection reset")
+
+    class MoreData:
+        def read(self, n: int) -> bytes:
+            return b"x"
+
+    class Ended:
+        def read(self, n: int) -> bytes:
+            raise EOFError
+
+    with pytest.raises(SourceError):
+        decoders.at_end(ResetAtEnd())
+    assert not decoders.at_end(MoreData())
+    assert decoders.at_end(Ended())

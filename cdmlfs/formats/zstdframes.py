@@ -195,7 +195,7 @@ class PartialFrame:
         self.done = 0
         self.complete = False
         self.queued = False
-        self.failed: MemberError | None = None
+        self.failed: MemberError | SourceError | None = None
         self.lock = threading.Lock()
         self.lock.acquire()
         self._dec: _Decode | None = None
@@ -210,7 +210,7 @@ class PartialFrame:
         self._room = room
         self.lock.release()
 
-    def setup_failed(self, exc: MemberError) -> None:
+    def setup_failed(self, exc: MemberError | SourceError) -> None:
         self.failed = exc
         self.lock.release()
 
@@ -391,10 +391,12 @@ class FrameWorker:
             self._drop(i, p)
             p.setup_failed(exc)
             raise
-        except BaseException:
+        except BaseException as exc:
             room.release()
             self._drop(i, p)
-            p.setup_failed(CorruptMemberError(f"zstd frame #{i} could not be opened"))
+            # A read error (S3 reset, EIO) stays one: waiters must not take it for a corrupt frame.
+            opened = CorruptMemberError(f"zstd frame #{i} could not be opened")
+            p.setup_failed(exc if isinstance(exc, SourceError) else opened)
             raise
         p.ready(span.where, buffer, dec, room)
         self.early_frames += 1
