@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 
-from cachetools import LRUCache
+from cachetools import Cache, LRUCache
 
 from cdmlfs import forksafe
 
@@ -97,7 +97,11 @@ class ExtentCache:
     def peek(self, key: Hashable):
         """Look up without counting a hit or miss, nor refreshing recency."""
         with self._lock:
-            return self._lru.get(key) if key in self._lru else None
+            return self._peek_locked(key)
+
+    def _peek_locked(self, key: Hashable):
+        # LRUCache.get and [] move the key to the front: the base class's lookup does not.
+        return Cache.__getitem__(self._lru, key) if key in self._lru else None
 
     def put(self, key: Hashable, value: object) -> bool:
         """Insert (evicting LRU entries); returns False when the value can never fit."""
@@ -130,7 +134,7 @@ class ExtentCache:
         cannot register a value the cache already let go of.
         """
         with self._lock:
-            if key not in self._lru or self._lru[key] is not value:
+            if key not in self._lru or self._peek_locked(key) is not value:
                 return False
             fn()
             return True
