@@ -61,6 +61,8 @@ def build_table(archive: Archive):
         "nlink": nlink,
         "fast": fast,
         "verified": reader._verified,
+        # ZIP data offsets resolved from local headers (shared with the Python path); none elsewhere
+        "data_at": getattr(archive.format, "data_at", array("q")),
     }
     if getattr(archive.format, "name", "") != "zip":
         fd = -1  # only ZIP members (local headers, CRCs) are read in C; other formats keep C getattr only

@@ -88,9 +88,9 @@ class EntryStat(NamedTuple):
 class Index:
     """Immutable entry table plus tree. Built only by :class:`IndexBuilder`.
 
-    Columns are indexed by entry id. ``offset`` and ``flags`` are the only
-    columns written after building (a ZIP data offset resolved on first read;
-    the write is idempotent, so racing threads are harmless).
+    Columns are indexed by entry id and never written after building: threads
+    and the C hot path read them without locks (a ZIP member's data offset,
+    read from its local header on first use, is kept by the format instead).
     """
 
     __slots__ = (

@@ -42,6 +42,10 @@ enum { M_STORED = 0, M_DEFLATE = 8, M_IN_STREAM = 0xFF00 };
 enum { F_ENCRYPTED = 1, F_NEEDS_LOCAL_HEADER = 2, F_MEMBER_CRC = 4 };
 /* Mirrors cdmlfs.reader: states of the shared "verified" column. */
 enum { V_UNCHECKED = 0, V_VERIFIED = 1, V_CORRUPT = 2 };
+/* Deflate turns one input byte into at most 1032 output bytes: larger declared sizes are corrupt
+ * headers (Python answers them). The same limit as cdmlfs.inflate.MAX_RATIO / RATIO_SLACK. */
+#define DEFLATE_MAX_RATIO 1032
+#define DEFLATE_RATIO_SLACK 1024
 
 typedef int (*getattr_fn)(const char *, struct stat *, void *);
 typedef int (*read_fn)(const char *, char *, size_t, off_t, void *);
@@ -55,11 +59,14 @@ enum { READDIR_PLUS = 1 << 0, FILL_DIR_PLUS = 1 << 1 }; /* FUSE_READDIR_PLUS, FU
 static const char stats_xattr[] = "user.cdmlfs.stats";
 
 enum { COL_KIND, COL_MODE, COL_MTIME, COL_SIZE, COL_METHOD, COL_FLAGS, COL_OFFSET,
-       COL_COMP, COL_CRC, COL_NLINK, COL_FAST, COL_VERIFIED, NCOLS };
+       COL_COMP, COL_CRC, COL_NLINK, COL_FAST, COL_VERIFIED, COL_DATA_AT, NCOLS };
 static const char *col_names[NCOLS] = {"kind", "mode", "mtime", "size", "method", "flags", "offset",
-                                       "comp_size", "crc", "nlink", "fast", "verified"};
-static const Py_ssize_t col_itemsize[NCOLS] = {1, 2, 8, 8, 2, 1, 8, 8, 4, 4, 1, 1};
-static const int col_writable[NCOLS] = {0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1};
+                                       "comp_size", "crc", "nlink", "fast", "verified", "data_at"};
+static const Py_ssize_t col_itemsize[NCOLS] = {1, 2, 8, 8, 2, 1, 8, 8, 4, 4, 1, 1, 8};
+/* Written at serve time: the verified states and the ZIP data offsets (both shared with Python). */
+static const int col_writable[NCOLS] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1};
+/* data_at is empty for formats without local headers (no entry has F_NEEDS_LOCAL_HEADER). */
+static const int col_may_be_empty[NCOLS] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
 
 typedef struct {
     int64_t start;
@@ -256,15 +263,23 @@ pread_full(int fd, char *buf, size_t n, int64_t off)
     return 0;
 }
 
-/* ZIP local header -> data offset, as cdmlfs.formats.zip.ZipFormat.data_offset does. */
+/* ZIP local header -> data offset, as cdmlfs.formats.zip.ZipFormat.data_offset does: the header
+ * offset (index column) never changes; the result goes to the data_at column, one aligned 8-byte
+ * store that racing resolvers (C threads, Python) make with the same value. */
 static int
 resolve_local_header(FastPath *t, Py_ssize_t e, int64_t *data_at)
 {
-    int64_t *offsets = COL(t, COL_OFFSET, int64_t);
-    uint8_t *flags = COL(t, COL_FLAGS, uint8_t);
-    int64_t at = offsets[e];
-    if (!(flags[e] & F_NEEDS_LOCAL_HEADER)) {
+    int64_t at = COL(t, COL_OFFSET, int64_t)[e];
+    if (!(COL(t, COL_FLAGS, uint8_t)[e] & F_NEEDS_LOCAL_HEADER)) {
         *data_at = at;
+        return 0;
+    }
+    if (t->cols[COL_DATA_AT].len == 0)
+        return -1;
+    int64_t *resolved = COL(t, COL_DATA_AT, int64_t);
+    int64_t known = __atomic_load_n(&resolved[e], __ATOMIC_RELAXED);
+    if (known > 0) {
+        *data_at = known;
         return 0;
     }
     unsigned char h[30];
@@ -276,8 +291,7 @@ resolve_local_header(FastPath *t, Py_ssize_t e, int64_t *data_at)
     int64_t d = at + 30 + nlen + xlen;
     if (d + (int64_t)COL(t, COL_COMP, uint64_t)[e] > t->file_size)
         return -1;
-    offsets[e] = d;
-    flags[e] &= (uint8_t)~F_NEEDS_LOCAL_HEADER;
+    __atomic_store_n(&resolved[e], d, __ATOMIC_RELAXED);
     *data_at = d;
     return 0;
 }
@@ -408,7 +422,7 @@ fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
     /* Deflate: whole small members only (the kernel's first read of a small file covers it). */
     uint64_t comp = COL(t, COL_COMP, uint64_t)[e];
     if (off != 0 || size < total || (int64_t)total > t->whole_limit || comp > (uint64_t)t->whole_limit + 1024 ||
-        total > comp * 1032 + 1024)
+        total > comp * DEFLATE_MAX_RATIO + DEFLATE_RATIO_SLACK)
         goto slow;
     struct libdeflate_decompressor *d = decompressor();
     if (!d)
@@ -473,6 +487,14 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_RuntimeError, "FastPath is already initialised");
         return -1;
     }
+    /* What a failed earlier call left behind (buffers held, tables allocated) goes first. */
+    for (int i = 0; i < self->ncols_held; i++)
+        PyBuffer_Release(&self->cols[i]);
+    self->ncols_held = 0;
+    PyMem_RawFree(self->slots);
+    PyMem_RawFree((void *)self->keys);
+    self->slots = NULL;
+    self->keys = NULL;
     Py_ssize_t n = -1;
     for (int c = 0; c < NCOLS; c++) {
         PyObject *obj = PyDict_GetItemString(columns, col_names[c]);
@@ -485,6 +507,8 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
             return -1;
         self->ncols_held = c + 1;
         Py_ssize_t rows = self->cols[c].len / col_itemsize[c];
+        if (rows == 0 && col_may_be_empty[c])
+            continue;
         if (self->cols[c].len % col_itemsize[c] || (n >= 0 && rows != n)) {
             PyErr_Format(PyExc_ValueError, "column %s has the wrong size", col_names[c]);
             return -1;
@@ -713,8 +737,12 @@ FastPath_hot_count(FastPath *self, void *Py_UNUSED(closure))
 static PyObject *
 FastPath_lookup(FastPath *self, PyObject *arg)
 {
+    if (!self->lookup) {
+        PyErr_SetString(PyExc_RuntimeError, "FastPath is not initialised");
+        return NULL;
+    }
     const char *path = PyUnicode_AsUTF8(arg);
-    if (!path || !self->lookup)
+    if (!path)
         return NULL;
     return PyLong_FromSsize_t(lookup(self, path));
 }

@@ -422,3 +422,35 @@ def test_member_paths_may_be_pure_paths_or_bytes(archive: Path) -> None:
         assert ar.read(PurePosixPath(name)) == data == ar.read(name.encode())
         assert ar.exists(PurePosixPath(name)) and ar.stat(name.encode()).size == len(data)
         assert list(ar.walk(PurePosixPath("."))) == list(ar.walk("")) == list(ar.walk(b""))
+
+
+def test_reads_leave_the_index_columns_as_built(tmp_path: Path) -> None:
+    """Threads and the C hot path read the index without locks, so nothing may rewrite it: a ZIP
+    data offset used to replace its local-header offset in place, and a thread that had seen "needs
+    its local header" could take the data offset for a header (a spurious EIO on a good member)."""
+    import threading
+
+    files = {f"d/f{i:03d}.txt": text_bytes(500 + 37 * i, i) for i in range(200)}
+    path = tmp_path / "a.zip"
+    python_zip(path, files, compression=zipfile.ZIP_DEFLATED)
+    with cdmlfs.open(str(path)) as ar:
+        ix = ar.index
+        before = (bytes(ix.offset), bytes(ix.flags), ar.archive_order())
+        errors: list[BaseException] = []
+
+        def read_all(seed: int) -> None:
+            names = list(files)
+            random.Random(seed).shuffle(names)
+            try:
+                for name in names:
+                    assert ar.read(name) == files[name]
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=read_all, args=(s,)) for s in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        assert (bytes(ix.offset), bytes(ix.flags), ar.archive_order()) == before

@@ -19,6 +19,7 @@ import stat as statmod
 import struct
 import time
 import zlib
+from array import array
 from collections.abc import Callable
 
 from cdmlfs.errors import ArchiveFormatError, CorruptMemberError
@@ -81,6 +82,11 @@ class ZipFormat:
         self.source = source
         self.prefix = 0
         self.index: Index = self._parse(progress)
+        # Data offsets read from local headers on first use (0: not yet). The index's own columns
+        # never change after the parse: with the header offset overwritten in place, a thread that
+        # had seen "needs its local header" could take the data offset for a header (a spurious
+        # EIO), and the C hot path, sharing these arrays, reads them without the GIL.
+        self.data_at = array("q", bytes(8 * self.index.entry_count))
 
     # -- mount time ---------------------------------------------------------
     def _find_eocd(self) -> tuple[int, tuple]:
@@ -275,6 +281,9 @@ class ZipFormat:
         index = self.index
         if not index.flags[eid] & NEEDS_LOCAL_HEADER:
             return index.offset[eid]
+        known = self.data_at[eid]
+        if known:
+            return known
         header_at = index.offset[eid]
         size = self.source.size
         if header_at < 0 or header_at + LFH.size > size:
@@ -285,8 +294,7 @@ class ZipFormat:
         data_at = header_at + LFH.size + rec[9] + rec[10]
         if data_at + index.comp_size[eid] > size:
             raise CorruptMemberError("member data extends past the end of the archive")
-        index.offset[eid] = data_at
-        index.flags[eid] &= ~NEEDS_LOCAL_HEADER & 0xFF
+        self.data_at[eid] = data_at  # one aligned 8-byte store: racing resolvers write the same value
         return data_at
 
 
