@@ -47,7 +47,9 @@ typedef struct {
     int failed;
     int busy;
     unsigned char *scratch; /* FD_CHUNK bytes for feed_fd */
-    int has_checksum;       /* -1: header not seen yet */
+    int has_checksum;       /* -1: header not seen whole yet */
+    unsigned char head[ZSTD_FRAMEHEADERSIZE_MAX]; /* the frame header, gathered across feeds */
+    size_t head_len;
     unsigned char tail[4];  /* the last 4 input bytes consumed: the checksum, once the frame ends */
     size_t total_in;
 } FrameDecoder;
@@ -70,7 +72,7 @@ remember_tail(FrameDecoder *d, const unsigned char *src, size_t n)
 static const char *
 verify_checksum(FrameDecoder *d)
 {
-    if (d->has_checksum != 1)
+    if (d->has_checksum == 0)
         return NULL;
     if (d->total_in < 4)
         return "frame too short for its checksum";
@@ -87,12 +89,20 @@ decode_some(FrameDecoder *d, const void *src, size_t len, size_t *consumed)
     ZSTD_inBuffer in = {src, len, 0};
     ZSTD_outBuffer out = {d->out.buf, (size_t)d->out.len, d->pos};
     const char *err = NULL;
-    if (d->has_checksum < 0 && d->total_in == 0) {
+    if (d->has_checksum < 0) {
+        /* The header may arrive over several feeds: decide once it is whole. */
+        size_t take = sizeof d->head - d->head_len;
+        if (take > len)
+            take = len;
+        memcpy(d->head + d->head_len, src, take);
+        d->head_len += take;
         ZSTD_frameHeader zfh;
-        if (ZSTD_getFrameHeader(&zfh, src, len) == 0)
+        size_t r = ZSTD_getFrameHeader(&zfh, d->head, d->head_len);
+        if (r == 0)
             d->has_checksum = zfh.checksumFlag ? 1 : 0;
-        else
+        else if (ZSTD_isError(r))
             d->has_checksum = 1; /* unreadable: zstd reports it; never skip a check we cannot see */
+        /* else: more header bytes to come */
     }
     while (in.pos < in.size && !d->done) {
         size_t in0 = in.pos, out0 = out.pos;
@@ -210,6 +220,7 @@ FrameDecoder_start(FrameDecoder *d, PyObject *arg)
     d->done = 0;
     d->failed = 0;
     d->has_checksum = -1;
+    d->head_len = 0;
     d->total_in = 0;
     memset(d->tail, 0, sizeof d->tail);
     ZSTD_DCtx_reset(d->dctx, ZSTD_reset_session_only);
