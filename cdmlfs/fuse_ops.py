@@ -341,6 +341,18 @@ def _rss_bytes() -> int | None:
     return None
 
 
+def _eio_on_error(func, *args, **kwargs):
+    """Call a FUSE callback; anything but an OSError is logged with its traceback and becomes EIO."""
+    try:
+        return func(*args, **kwargs)
+    except OSError:
+        raise
+    except Exception as exc:
+        what = args[0].decode("utf-8", "surrogateescape") if args and isinstance(args[0], bytes) else ""
+        log.exception("%s %r failed on an internal error (answered EIO): %r", func.__name__, what, exc)
+        raise OSError(errno.EIO, "internal error") from None
+
+
 def make_fuse_class(mfusepy):
     """An mfusepy.FUSE subclass whose hot callbacks skip the dict round-trips."""
 
@@ -353,6 +365,14 @@ def make_fuse_class(mfusepy):
     fuse3 = mfusepy.fuse_version_major == 3
 
     class FastFUSE(mfusepy.FUSE):
+        def _wrapper(self, func, *args, **kwargs):
+            # mfusepy answers EINVAL to any exception that is not an OSError: a bug of ours (a
+            # ValueError, a MemoryError) would read as a bad argument. Readers get EIO, the log the
+            # traceback; the daemon goes on serving the other files.
+            if func.__name__ == "init":
+                return super()._wrapper(func, *args, **kwargs)
+            return super()._wrapper(_eio_on_error, func, *args, **kwargs)
+
         def fgetattr(self, path, buf, fip):
             ops = self.operations
             memset(buf, 0, stat_size)

@@ -261,3 +261,48 @@ def test_twenty_mounts_at_once(tmp_path: Path) -> None:
         for m in mounts:
             if is_mounted(m):
                 force_unmount(m)
+
+
+# The real CLI, with one member's reads failing on a bug-like exception (not an OSError).
+BUGGY_DAEMON = r"""
+import sys
+from cdmlfs import reader
+real = reader.ExtentReader.read_into
+def read_into(self, eid, offset, size, out):
+    if self.index.paths[eid] == "bad.txt":
+        raise ValueError("simulated bug")
+    return real(self, eid, offset, size, out)
+reader.ExtentReader.read_into = read_into
+from cdmlfs.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_an_internal_error_is_eio_and_logged_and_the_daemon_serves_on(tmp_path: Path) -> None:
+    """mfusepy answers EINVAL to exceptions that are not OSErrors; a bug of ours must read as EIO
+    (what a reader expects of a failed read), leave a traceback in the log, and harm no other file."""
+    archive = tmp_path / "a.zip"
+    python_zip(archive, {"bad.txt": b"x" * 5000, "good.txt": b"fine"})
+    mnt, pid_file, log = tmp_path / "mnt", tmp_path / "pid", tmp_path / "log"
+    mnt.mkdir()
+    env = dict(os.environ, CDMLFS_FASTPATH="0")  # reads go through Python, where the fault is
+    res = subprocess.run(
+        [sys.executable, "-c", BUGGY_DAEMON, "mount", str(archive), str(mnt), "--pid-file", str(pid_file),
+         "--log-file", str(log)],
+        capture_output=True, env=env, timeout=60,
+    )  # fmt: skip
+    pid = read_pid(pid_file)
+    try:
+        assert res.returncode == 0, res.stderr
+        with pytest.raises(OSError) as exc:
+            (mnt / "bad.txt").read_bytes()
+        assert exc.value.errno == errno.EIO
+        assert (mnt / "good.txt").read_bytes() == b"fine"
+        assert pid is not None and alive(pid)
+        text = log.read_text()
+        assert "'/bad.txt' failed on an internal error (answered EIO)" in text
+        assert "ValueError: simulated bug" in text
+    finally:
+        force_unmount(mnt)
+        if pid is not None and alive(pid):
+            os.kill(pid, signal.SIGKILL)
