@@ -91,7 +91,11 @@ class Archive:
             self.source.close()
             raise
         self.index: Index = self.format.index
-        self.reader = ExtentReader(self.format, self.cache)
+        try:
+            self.reader = ExtentReader(self.format, self.cache)
+        except BaseException:
+            self.source.close()
+            raise
 
     # -- lifecycle -----------------------------------------------------------
     @property

@@ -159,17 +159,23 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
     gc.collect()
     gc.freeze()  # the index never changes: keep the collector from walking it
     fuse_cls = make_fuse_class(mfusepy)
-    if opts.pid_file:
-        with open(opts.pid_file, "w") as f:
-            f.write(f"{os.getpid()}\n")
     fast, why = fastpath.availability(mfusepy.fuse_version_major)
-    table = fastpath.build_table(archive) if fast else None
+    table = None
+    if fast:
+        try:
+            table = fastpath.build_table(archive)
+        except Exception as exc:  # e.g. more entries than its 32-bit ids: Python serves everything
+            fast, why = False, f"its table could not be built: {exc}"
+            log.warning("C fast path off (%s): Python serves every request", exc)
     ops.fast_table = table
     if table is not None:
         fastpath.attach(archive, table)
     log.debug("C fast path: %s", why if fast else f"off ({why})")
     # libfuse's "remember" option needs its own loop (fuse_session_loop_remember).
     poll_us = 0 if multithreaded or "remember" in opts.fuse_options else opts.poll_us
+    if opts.pid_file:
+        with open(opts.pid_file, "w") as f:
+            f.write(f"{os.getpid()}\n")
     try:
         with (
             fuseloop.installed(mfusepy, poll_us) as polling,

@@ -25,13 +25,19 @@ class LocalFile:
             raise UsageError(f"{path}: is a directory, not an archive") from None
         except OSError as exc:
             raise UsageError(f"{path}: cannot open: {exc.strerror}") from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) and not stat.S_ISBLK(st.st_mode):
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) and not stat.S_ISBLK(st.st_mode):
+                raise UsageError(f"{path}: not a regular file")
+            os.set_blocking(fd, True)  # pread ignores it on files; keep the descriptor ordinary anyway
+            self.size = st.st_size if stat.S_ISREG(st.st_mode) else os.lseek(fd, 0, os.SEEK_END)
+        except OSError as exc:
             os.close(fd)
-            raise UsageError(f"{path}: not a regular file")
-        os.set_blocking(fd, True)  # pread ignores it on files; keep the descriptor ordinary anyway
+            raise UsageError(f"{path}: cannot open: {exc.strerror}") from None
+        except BaseException:
+            os.close(fd)
+            raise
         self._fd = fd
-        self.size = st.st_size if stat.S_ISREG(st.st_mode) else os.lseek(fd, 0, os.SEEK_END)
         # mtime alone missed a file rewritten in place or replaced by a same-sized one with its
         # mtime put back (touch -r): a persisted tar index was then trusted for other bytes. The
         # inode changes when a file is replaced, the ctime on any write (and touch cannot set it).
@@ -59,7 +65,11 @@ class LocalFile:
             parts = [data]
             got = len(data)
             while got < length:
-                more = os.pread(self._fd, length - got, offset + got)
+                try:
+                    more = os.pread(self._fd, length - got, offset + got)
+                except OSError as exc:
+                    where = f"{self.path}: read failed at offset {offset + got}"
+                    raise SourceError(f"{where}: {exc.strerror}") from exc
                 if not more:
                     raise SourceError(f"{self.path}: file is shorter than when it was opened")
                 parts.append(more)
