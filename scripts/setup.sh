@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install everything cdmlfs needs on a fresh Debian/Ubuntu machine, into ./.venv.
-#   system: fuse3 + libfuse2 (FUSE user space), libdeflate/zlib/zstd/xxhash + pkg-config + Python
-#           headers (C builds), python3-venv where Debian splits it out,
-#           zip/unzip/zstd (test fixtures and reference extraction), strace (a test watches syscalls)
+#   system: fuse3 + libfuse2 (FUSE user space; libfuse2 is the fallback the tests also mount with),
+#           libdeflate/zlib/zstd/xxhash + pkg-config + Python headers (C builds), python3-venv where
+#           Debian splits it out, zip/unzip/zstd, bsdtar (libarchive-tools) and 7z (p7zip-full): test
+#           fixtures from real producers and reference extraction; strace (a test watches syscalls)
 #   python: torch 2.14.1 + torchvision 0.29.1 (pinned), cdmlfs in editable mode with test extras
 # Usage: scripts/setup.sh [--no-torch]
 set -euo pipefail
@@ -18,21 +19,28 @@ done
 
 PY=${PYTHON:-python3}
 APT_PACKAGES=(fuse3 libfuse2 libfuse3-dev pkg-config gcc libdeflate-dev zlib1g-dev libzstd-dev libxxhash-dev
-              zip unzip zstd tar util-linux strace)
+              zip unzip zstd tar util-linux strace libarchive-tools p7zip-full)
 # Debian splits venv's pip bootstrap (python3-venv) and the C headers (python3-dev) out of python3.
 "$PY" -c "import ensurepip, venv" >/dev/null 2>&1 || APT_PACKAGES+=(python3-venv)
 "$PY" -c "import os, sysconfig, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
   || APT_PACKAGES+=(python3-dev)
+# Installed, not merely known to dpkg (a removed package leaves its configuration behind).
+installed() {
+  case "$(dpkg-query -W -f='${db:Status-Abbrev}' "$1" 2>/dev/null)" in ii*) return 0 ;; esac
+  return 1
+}
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
-  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+  # Ubuntu 24.04 and Debian 13 renamed libfuse2 to libfuse2t64 (apt-get install libfuse2 picks it).
+  if [ "$p" = libfuse2 ] && installed libfuse2t64; then continue; fi
+  installed "$p" || missing+=("$p")
 done
 if ((${#missing[@]})); then
   SUDO=""
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   echo "setup: installing system packages: ${missing[*]}"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
 # A .venv left by an earlier failed run (no pip in it) is made again.

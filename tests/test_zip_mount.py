@@ -85,6 +85,30 @@ def test_infozip_archive_with_symlinks_unicode_and_empties(level: int, tmp_path:
         assert st.st_nlink == 2 + 2  # two subdirectories: nested, also_empty
 
 
+def test_libfuse2_fallback_serves_the_same_tree(tmp_path: Path, mnt: Path, monkeypatch) -> None:
+    """libfuse3 is preferred; where only libfuse2 loads (FUSE_LIBRARY_NAME=fuse picks it), the mount
+    answers the same tree, modes, mtimes, links and bytes as unzip, and a damaged member gives EIO."""
+    src = write_tree(
+        tmp_path / "src",
+        sample_files(2),
+        symlinks={"data/link_to_csv": "nested/deep/file.csv"},
+        empty_dirs=("empty_dir",),
+    )
+    archive = infozip(tmp_path / "info.zip", src, level=6)
+    monkeypatch.setenv("FUSE_LIBRARY_NAME", "fuse")
+    _compare_with_unzip(archive, mnt, tmp_path)
+    flip_byte_in_member(archive, "readme.txt")
+    with mounted(archive, mnt):
+        with open(f"/proc/{daemon_pid(mnt)}/maps") as f:
+            assert "libfuse.so.2" in f.read()
+        assert (mnt / "data/link_to_csv").read_bytes() == (src / "data/nested/deep/file.csv").read_bytes()
+        with pytest.raises(OSError) as exc:
+            (mnt / "readme.txt").read_bytes()
+        assert exc.value.errno == errno.EIO
+        assert (mnt / "one_byte").read_bytes() == (src / "one_byte").read_bytes()
+        assert mount_stats(mnt)["fast_path"] is None  # the C hot path needs libfuse3
+
+
 def test_more_than_65535_entries(tmp_path: Path, mnt: Path) -> None:
     archive = tmp_path / "many.zip"
     n = 70_000
