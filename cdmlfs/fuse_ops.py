@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 _FUSE_READDIR_PLUS = 1
 _FUSE_FILL_DIR_PLUS = 2
+_FUSE_CAP_READDIRPLUS_AUTO = 1 << 14  # libfuse3 fuse_common.h
 TIMEOUT = 3600.0
 STATS_XATTR = "user.cdmlfs.stats"
 
@@ -170,6 +171,11 @@ class ArchiveOperations:
             cache_symlinks = 1 << 23
             if conn.capable & cache_symlinks:
                 conn.want |= cache_symlinks
+            # READDIRPLUS for every listing request, not only a directory's first (the kernel's
+            # "auto" mode): the entries then arrive with node ids and attributes, and files opened
+            # or stat-ed after a listing need no LOOKUP. Measured on a 120k-entry directory:
+            # os.walk + stat 3.44 s -> 0.68 s; a names-only find 0.09 s -> 0.46 s.
+            conn.want &= ~_FUSE_CAP_READDIRPLUS_AUTO
         if self.ready_callback is not None:
             self.ready_callback()
 
@@ -408,19 +414,27 @@ def make_fuse_class(mfusepy):
             st = c_stat()
             plus = fuse3 and flags & _FUSE_READDIR_PLUS
             fill_flags = _FUSE_FILL_DIR_PLUS if plus else 0
-            for name, child in ((b".", eid), (b"..", ix.parent[eid])):  # the root's parent is itself
+            # Entry k (0 ".", 1 "..", 2 + j child j) goes with the offset of the next, k + 1, as in
+            # native/fastpath.c (a listing may switch between the two): libfuse then streams it and
+            # gives READDIRPLUS entries node ids (with offset 0 the kernel dropped their attributes).
+            k = max(offset, 0)
+            for pos, (name, child) in enumerate(((b".", eid), (b"..", ix.parent[eid]))):  # root: its own parent
+                if pos < k:
+                    continue
                 ops.fill_stat(child, st)
-                if (filler(buf, name, st, 0, 0) if fuse3 else filler(buf, name, st, 0)) != 0:
+                if (filler(buf, name, st, pos + 1, 0) if fuse3 else filler(buf, name, st, pos + 1)) != 0:
                     return 0
             paths = ix.paths
             flags_of = ix.flags
-            for child in ix.children(eid):
+            kids = ix.children(eid)
+            for j in range(max(k - 2, 0), len(kids)):
+                child = kids[j]
                 memset(ctypes.byref(st), 0, stat_size)
                 ops.fill_stat(child, st)
                 name = paths[child].rpartition("/")[2].encode("utf-8", "surrogateescape")
                 # No attributes for an entry that fails its stat: the kernel then asks (and gets EIO).
                 child_flags = 0 if flags_of[child] & INCONSISTENT else fill_flags
-                rc = filler(buf, name, st, 0, child_flags) if fuse3 else filler(buf, name, st, 0)
+                rc = filler(buf, name, st, j + 3, child_flags) if fuse3 else filler(buf, name, st, j + 3)
                 if rc != 0:
                     break
             return 0

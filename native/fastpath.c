@@ -217,25 +217,50 @@ fp_readdir(const char *path, void *buf, fill_dir_fn filler, off_t off, void *fi,
     Py_ssize_t up = parent[e];
     if (!fast[up])
         goto slow;
-    for (uint32_t j = 0; j < count[e]; j++) {
-        uint32_t c = ids[start[e] + j];
-        if (!fast[c] || !t->keys[c])
-            goto slow;
-    }
+    /* Listing entry k: 0 ".", 1 "..", 2 + j child j, each passed with the offset of the next one
+     * (k + 1), as the Python readdir numbers them. With offsets libfuse streams the listing and
+     * gives READDIRPLUS entries their node ids; with offset 0 it sent them with id 0 and the kernel
+     * dropped their attributes, so every file opened after a listing still cost a LOOKUP. */
+    uint64_t k = off > 0 ? (uint64_t)off : 0;
     struct stat st;
-    fill_st(t, e, &st);
-    if (filler(buf, ".", &st, 0, 0))
-        goto done;
-    fill_st(t, up, &st);
-    if (filler(buf, "..", &st, 0, 0))
-        goto done;
+    int sent = 0;
+    if (k == 0) {
+        fill_st(t, e, &st);
+        if (filler(buf, ".", &st, 1, 0))
+            goto done;
+        sent = k = 1;
+    }
+    if (k == 1) {
+        fill_st(t, up, &st);
+        if (filler(buf, "..", &st, 2, 0))
+            goto done;
+        sent = 1;
+        k = 2;
+    }
     int plus = (flags & READDIR_PLUS) ? FILL_DIR_PLUS : 0;
-    for (uint32_t j = 0; j < count[e]; j++) {
+    uint64_t checked = k - 2;
+    for (uint64_t j = k - 2; j < count[e]; j++) {
+        if (j == checked) {
+            /* Children Python must answer (not in the table, undecodable names): the listing goes
+             * there from the first of them on, with the same numbering. */
+            uint64_t end = j + 256 < count[e] ? j + 256 : count[e];
+            for (; checked < end; checked++) {
+                uint32_t c = ids[start[e] + checked];
+                if (!fast[c] || !t->keys[c])
+                    break;
+            }
+            if (j == checked) {
+                if (!sent)
+                    goto slow;
+                break; /* a short reply: the kernel asks again from here */
+            }
+        }
         uint32_t c = ids[start[e] + j];
         const char *name = strrchr(t->keys[c], '/');
         fill_st(t, c, &st);
-        if (filler(buf, name ? name + 1 : t->keys[c], &st, 0, plus))
+        if (filler(buf, name ? name + 1 : t->keys[c], &st, (off_t)(j + 3), plus))
             break;
+        sent = 1;
     }
 done:
     atomic_fetch_add_explicit(&t->readdir_fast, 1, memory_order_relaxed);

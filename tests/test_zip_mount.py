@@ -656,6 +656,10 @@ def test_directory_listings_in_c_equal_python_ones(tmp_path: Path, mnt: Path, mo
         craft.member("odd/liar.txt", b"", crc=1),  # declared empty with a CRC: inconsistent
         craft.member("odd/fine.txt", b"fine"),
     ]
+    # A long listing that C starts and hands to Python partway (the entry after m00700.txt has a
+    # name that is not UTF-8; m01200.txt is inconsistent): both number entries alike.
+    members += [craft.member(f"mixed/m{i:05d}.txt", b"m" * (i % 5 + 1)) for i in range(1500) if i != 1200]
+    members += [craft.member(b"mixed/m00700\xe9.txt", b"raw"), craft.member("mixed/m01200.txt", b"", crc=1)]
     archive = tmp_path / "l.zip"
     archive.write_bytes(craft.build_zip(members))
     seen = {}
@@ -667,7 +671,24 @@ def test_directory_listings_in_c_equal_python_ones(tmp_path: Path, mnt: Path, mo
                 counters = mount_stats(mnt)["fast_path"]
                 assert counters["readdir_fast"] >= 5 and counters["readdir_fallback"] >= 2, counters
     assert seen["1"] == seen["0"]
-    assert len(seen["1"]) == 3000 + 13
+    assert len(seen["1"]) == 3000 + 13 + 1 + 1501
+
+
+def test_a_listing_spares_the_lookups_of_the_files_it_lists(
+    both_paths: str, tmp_path: Path, mnt: Path
+) -> None:
+    """READDIRPLUS entries carry node ids and attributes, so files opened after a listing need no
+    LOOKUP round trip (with offset 0 libfuse sent id 0 and the kernel looked every file up again)."""
+    files = {f"d/f{i:04d}.txt": f"{i}".encode() for i in range(2000)}
+    archive = python_zip(tmp_path / "a.zip", files)
+    with mounted(archive, mnt):
+        names = os.listdir(mnt / "d")
+        assert sorted(names) == sorted(n.split("/")[1] for n in files)
+        before = mount_stats(mnt)["requests"]["getattr"]
+        for name in names:
+            assert (mnt / "d" / name).read_bytes() == files[f"d/{name}"]
+        lookups = mount_stats(mnt)["requests"]["getattr"] - before
+        assert lookups < 20, lookups  # was one per file
 
 
 def test_nonempty_option_default_log_path_and_the_pure_python_paths(tmp_path: Path) -> None:
