@@ -418,7 +418,8 @@ def make_fuse_class(mfusepy):
             # native/fastpath.c (a listing may switch between the two): libfuse then streams it and
             # gives READDIRPLUS entries node ids (with offset 0 the kernel dropped their attributes).
             k = max(offset, 0)
-            for pos, (name, child) in enumerate(((b".", eid), (b"..", ix.parent[eid]))):  # root: its own parent
+            dots = ((b".", eid), (b"..", ix.parent[eid]))  # the root is its own parent
+            for pos, (name, child) in enumerate(dots):
                 if pos < k:
                     continue
                 ops.fill_stat(child, st)
