@@ -308,6 +308,49 @@ def test_reads_a_little_out_of_order_in_a_large_frame_make_one_pass(tmp_path: Pa
         assert ar.cache.held + ar.cache.reserved <= 64 << 20
 
 
+def test_readers_in_two_regions_of_one_frame_each_keep_their_decoder(tmp_path: Path) -> None:
+    """Two readers, each walking its own contiguous half of a single-frame archive in archive order
+    (ranks sharing a mount, each on its shard), used to restart the frame's one decoder for each
+    other at nearly every file: a 360 MiB archive was decoded about 68 times for one pass."""
+    import threading
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(240):  # 24 MB in one frame: 12 pieces of an 8 MiB cache's 2 MiB decode budget
+        (src / f"f{i:03d}.txt").write_bytes(text_bytes(100_000, i))
+    archive = gnu_tar(tmp_path / "one.tar.zst", src, "gnu", ["zstd", "-1", "-q", "-c"])  # 512 KiB windows
+    with Archive(str(archive), cache_size=8 << 20, index_dir=str(tmp_path / "idx")) as ar:
+        stream = ar.format.stream
+        order = ar.archive_order()
+        half = len(order) // 2
+        errors: list[BaseException] = []
+        turns = [threading.Event(), threading.Event()]
+
+        def read(names: list[str], me: int) -> None:
+            try:
+                for name in names:
+                    turns[me].wait(5)  # take turns file by file: the worst interleaving
+                    turns[me].clear()
+                    assert ar.read(name) == (src / name).read_bytes(), name
+                    turns[1 - me].set()
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+                turns[1 - me].set()
+
+        threads = [
+            threading.Thread(target=read, args=(order[:half], 0)),
+            threading.Thread(target=read, args=(order[half:], 1)),
+        ]
+        for t in threads:
+            t.start()
+        turns[0].set()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        assert stream.frames.dec_size[0] > stream.whole_max  # served by forward decoders
+        assert stream.restarts <= 3, stream.restarts  # one decoder per region (was one per file)
+
+
 def test_frames_without_content_size_and_seek_tables_with_checksums(tmp_path: Path, many_files: Path) -> None:
     """A hand-made seekable file: frames without content size, a skippable frame, a checksummed table."""
     plain = gnu_tar(tmp_path / "a.tar", many_files, "pax").read_bytes()
