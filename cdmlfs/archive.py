@@ -238,8 +238,9 @@ class Archive:
         return [self.index.stat(c) for c in self.index.children(eid)]
 
     def walk(self, top: str = "") -> Iterator[tuple[str, list[str], list[str]]]:
-        """Like ``os.walk``: top-down, in name order, paths from ``top`` as given; a symlink to a
-        directory is listed with the directories but not followed."""
+        """Like ``os.walk``: top-down, paths from ``top`` as given, each directory's entries in name
+        order (ZIP) or archive order (tar); a symlink to a directory is listed with the directories
+        but not followed."""
         index = self.index
         stack = [(_member_path(top), self._resolve(top))]
         while stack:
@@ -261,7 +262,7 @@ class Archive:
             stack.extend(reversed(subdirs))
 
     def files(self) -> list[str]:
-        """Every regular file path (no directories or symlinks), in name order."""
+        """Every regular file path (no directories or symlinks), depth first in listing order."""
         index = self.index
         return [index.paths[e] for e in index.walk(0) if index.kind[e] == FILE]
 

@@ -75,7 +75,7 @@ def build_table(archive: Archive):
         os.getgid(),
         reader.whole_limit,
     )
-    # The tree for readdir in C: each directory's children (in name order) as a run of one array.
+    # The tree for readdir in C: each directory's children (in listing order, see IndexBuilder.finish) as a run of one array.
     start = array("I", bytes(4 * n))
     count = array("I", bytes(4 * n))
     ids = array("I")

@@ -158,7 +158,7 @@ class Index:
         return self._lookup.get(path)
 
     def children(self, eid: int) -> array:
-        """Ids of the entries in directory ``eid``, in name order."""
+        """Ids of the entries in directory ``eid``: name order, or archive order for tar (see ``finish``)."""
         if self.kind[eid] != DIR:
             raise NotADirectoryError_(f"{self.paths[eid]}: not a directory")
         return self._children.get(eid, _EMPTY)
@@ -442,8 +442,15 @@ class IndexBuilder:
             at += segments[i + 1]
         self._index.sparse[eid] = (starts, lengths, stored)
 
-    def finish(self) -> Index:
-        """Build the directory tree (children in name order) and return the index."""
+    def finish(self, archive_order: bool = False) -> Index:
+        """Build the directory tree and return the index.
+
+        Children are in name order, or with ``archive_order`` in the order entries first appear
+        in the archive (entry ids are given in that order). For a tar stream that makes a
+        depth-first walk of the mount (find, grep -r, rsync, os.walk + read) one forward pass:
+        in name order a walk of a single-frame tar.zst went back and forth and decoded its frame
+        about 30 times over.
+        """
         ix = self._index
         parent_col = ix.parent
         children: dict[int, array] = {}
@@ -455,7 +462,8 @@ class IndexBuilder:
             if arr is None:
                 children[pid] = arr = array("I")
             arr.append(eid)
-        key = ix.paths.__getitem__  # siblings share their parent's prefix: full path order = name order
+        # Siblings share their parent's prefix: full path order = name order.
+        key = None if archive_order else ix.paths.__getitem__
         for pid, arr in children.items():
             if len(arr) > 1:
                 children[pid] = array("I", sorted(arr, key=key))

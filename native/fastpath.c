@@ -91,7 +91,7 @@ typedef struct {
     getxattr_fn py_getxattr;
     readdir_fn py_readdir;
     /* The directory tree (set_tree): parent of each entry, and each directory's children (in
-     * name order) as a run [child_start, child_start + child_count) of child_ids. */
+     * listing order) as a run [child_start, child_start + child_count) of child_ids. */
     Py_buffer tree[4];
     int tree_held;
     /* Decoded container extents (tar stream bytes, one per zstd frame) that reads falling inside

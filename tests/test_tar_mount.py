@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from mountutil import daemon_pid, is_mounted, mounted, run_cli, tree
+from mountutil import daemon_pid, is_mounted, mount_stats, mounted, run_cli, tree
 from test_tar_support import LONG_TARGET, cdmlfs_pack, extract, gnu_tar, tricky_tree
 
 from cdmlfs.archive import Archive
@@ -293,3 +293,35 @@ def test_extracting_a_folder_makes_hard_links_again(src: Path, tmp_path: Path) -
     assert (out / "hardlink_a").read_bytes() == (src / "hardlink_a").read_bytes()
     reference = tree(extract(archive, tmp_path / "ref"))
     assert tree(out) == reference
+
+
+def test_a_walk_in_listing_order_is_one_pass_over_a_single_frame(tmp_path: Path, mnt: Path) -> None:
+    """Directories list their entries in archive order, so find, grep -r, rsync or os.walk + read
+    go forward through a single-frame tar.zst once. In name order a walk went back and forth and
+    decoded the frame about 30 times (a tar made from a directory holds its readdir order)."""
+    from archives import text_bytes
+
+    src = tmp_path / "src"
+    order = []
+    for d in ("d2", "d0", "d1"):
+        (src / d).mkdir(parents=True)
+        for i in reversed(range(40)):
+            (src / d / f"f{i:02d}.txt").write_bytes(text_bytes(400_000, i + 100 * int(d[1])))
+            order.append(f"{d}/f{i:02d}.txt")
+    archive = tmp_path / "one.tar.zst"
+    with open(archive, "wb") as out:  # 48 MB in one frame, members in the order given
+        tar = subprocess.Popen(["tar", "-C", str(src), "-cf", "-", *order], stdout=subprocess.PIPE)
+        subprocess.run(["zstd", "-1", "-q", "-c"], stdin=tar.stdout, stdout=out, check=True)
+        assert tar.wait() == 0
+    with mounted(archive, mnt, "--cache-size", "16M", "--index-dir", str(tmp_path / "idx")):
+        assert os.listdir(mnt) == ["d2", "d0", "d1"]
+        assert os.listdir(mnt / "d0") == [f"f{i:02d}.txt" for i in reversed(range(40))]
+        seen = 0
+        for root, _, names in os.walk(mnt):
+            for name in names:
+                path = Path(root) / name
+                assert path.read_bytes() == (src / path.relative_to(mnt)).read_bytes()
+                seen += 1
+        assert seen == len(order)
+        decoder = mount_stats(mnt)["decoder"]
+        assert decoder["forward_restarts"] == 1, decoder

@@ -137,7 +137,7 @@ class MemberTable:
                     builder.set_link_target(eid, target)
             else:
                 builder.add_hardlink(names[i], links[i], mtime, mode)
-        return builder.finish()
+        return builder.finish(archive_order=True)
 
     # -- encoding --------------------------------------------------------------
     def encode(self) -> bytes:
