@@ -367,10 +367,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    """Live counters of a mount, read from an extended attribute of its root."""
+    """Live counters of a mount, asked of its root (an ioctl, see cdmlfs.statsio)."""
     import json
 
-    from cdmlfs.fuse_ops import STATS_XATTR
+    from cdmlfs import statsio
     from cdmlfs.mountpoints import mount_entry
 
     entry = mount_entry(args.mountpoint)
@@ -379,16 +379,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
             raise UsageError(f"{args.mountpoint}: no such directory")
         raise UsageError(f"{args.mountpoint}: not a cdmlfs mount")
     try:
-        blob = os.getxattr(args.mountpoint, STATS_XATTR)
+        stats = statsio.read(args.mountpoint)
     except OSError as exc:
         hint = ""
         if exc.errno == errno.ENOTCONN:
             hint = f" (its daemon is gone: 'cdmlfs umount {args.mountpoint}' clears it; the log says why)"
+        elif exc.errno == errno.ENOTTY:
+            hint = " (its daemon does not answer this request: an older cdmlfs? remount to update it)"
         raise CdmlfsError(f"{args.mountpoint}: cannot read stats: {exc.strerror}{hint}") from None
-    try:
-        stats = json.loads(blob)
-    except ValueError as exc:  # a daemon of another version, or a value cut short
-        raise CdmlfsError(f"{args.mountpoint}: unreadable stats from the daemon ({exc})") from None
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0
@@ -420,7 +418,7 @@ def _format_stats(s: dict) -> str:
         f = s["fast_path"]
         listings = f"{f.get('readdir_fast', 0):,} listings ({f.get('readdir_fallback', 0):,} in Python)"
         lines.append(f"C path    {f['getattr_fast']:,} getattr, {f['read_fast']:,} reads, {listings} and "
-                     f"{f.get('getxattr_fast', 0):,} getxattr served in C "
+                     f"{f.get('ioctl_fast', 0):,} ioctls served in C "
                      f"({f['getattr_fallback']:,} / {f['read_fallback']:,} passed to Python), "
                      f"{f.get('hot_extents', 0):,} decoded extents readable in C")  # fmt: skip
     if s.get("loop"):

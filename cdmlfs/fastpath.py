@@ -1,8 +1,9 @@
 """Wire the C hot path (``cdmlfs._fastpath``) into a libfuse3 mount.
 
-The C module answers getattr, whole-member reads, getxattr and directory listings
-straight from the index columns; everything it does not handle goes to the Python callbacks mfusepy
-built, so behaviour (errors, logging, the cache) stays defined in Python.
+The C module answers getattr, whole-member reads, directory listings and ioctls
+(ENOTTY, but for the stats request) straight from the index columns; everything it
+does not handle goes to the Python callbacks mfusepy built, so behaviour (errors,
+logging, the cache) stays defined in Python.
 ``CDMLFS_FASTPATH=0`` turns it off; it is also off with libfuse2 and when the
 extension is not built. ``cdmlfs doctor`` says which.
 """
@@ -16,7 +17,7 @@ import os
 from array import array
 from collections.abc import Hashable, Iterator
 
-from cdmlfs import extensions
+from cdmlfs import extensions, statsio
 from cdmlfs.archive import Archive
 from cdmlfs.cache import ExtentCache
 from cdmlfs.index import DIR, INCONSISTENT, SPARSE
@@ -75,7 +76,8 @@ def build_table(archive: Archive):
         os.getgid(),
         reader.whole_limit,
     )
-    # The tree for readdir in C: each directory's children (in listing order, see IndexBuilder.finish) as a run of one array.
+    # The tree for readdir in C: each directory's children (in listing order, see
+    # IndexBuilder.finish) as a run of one array.
     start = array("I", bytes(4 * n))
     count = array("I", bytes(4 * n))
     ids = array("I")
@@ -151,18 +153,18 @@ def installed(mfusepy, table) -> Iterator[None]:
         keep.append(dict(ops._objects or {}))  # the Python thunks must outlive the loop
         py_getattr = ctypes.cast(ops.getattr, ctypes.c_void_p).value
         py_read = ctypes.cast(ops.read, ctypes.c_void_p).value
-        py_getxattr = ctypes.cast(ops.getxattr, ctypes.c_void_p).value or 0
+        py_ioctl = ctypes.cast(ops.ioctl, ctypes.c_void_p).value or 0
         py_readdir = ctypes.cast(ops.readdir, ctypes.c_void_p).value or 0
         if py_getattr and py_read:
-            fast = table.activate(py_getattr, py_read, py_getxattr, py_readdir)
-            fast_getattr, fast_read, fast_getxattr, fast_readdir = fast
+            fast = table.activate(py_getattr, py_read, py_ioctl, py_readdir, statsio.REQUEST)
+            fast_getattr, fast_read, fast_ioctl, fast_readdir = fast
             ops.getattr = fields["getattr"](fast_getattr)
             ops.read = fields["read"](fast_read)
-            if fast_getxattr:
-                ops.getxattr = fields["getxattr"](fast_getxattr)
+            if fast_ioctl:
+                ops.ioctl = fields["ioctl"](fast_ioctl)
             if fast_readdir:
                 ops.readdir = fields["readdir"](fast_readdir)
-            log.debug("C fast path active for getattr, read, getxattr and readdir")
+            log.debug("C fast path active for getattr, read, ioctl and readdir")
         return real(argc, argv, ops_ptr, size, ctx)
 
     mfusepy.fuse_main_real = fuse_main_with_fast_path

@@ -15,7 +15,9 @@ Choices (measured, see README "Performance"):
   at least that size get ``direct_io``;
 * reads land directly in libfuse's reply buffer (one copy; a positioned read
   from the archive for stored members);
-* no flush/release/ioctl handlers: libfuse answers them in C.
+* no flush/release/xattr handlers: libfuse answers them in C (ENOSYS for xattrs, after which
+  the kernel stops asking); the one ioctl answered is the stats request on the root
+  (``cdmlfs.statsio``), any other gets ENOTTY in C when the fast path is on.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from cdmlfs import fuseloop
+from cdmlfs import fuseloop, statsio
 from cdmlfs.archive import Archive
 from cdmlfs.errors import CdmlfsError, CorruptMemberError, MemberError
 from cdmlfs.index import DIR, INCONSISTENT, SYMLINK
@@ -42,8 +44,8 @@ log = logging.getLogger(__name__)
 _FUSE_READDIR_PLUS = 1
 _FUSE_FILL_DIR_PLUS = 2
 _FUSE_CAP_READDIRPLUS_AUTO = 1 << 14  # libfuse3 fuse_common.h
+_FUSE_CAP_IOCTL_DIR = 1 << 11  # libfuse 2 and 3
 TIMEOUT = 3600.0
-STATS_XATTR = "user.cdmlfs.stats"
 
 
 def timespec(mtime: float) -> tuple[int, int]:
@@ -171,6 +173,8 @@ class ArchiveOperations:
             cache_symlinks = 1 << 23
             if conn.capable & cache_symlinks:
                 conn.want |= cache_symlinks
+            if conn.capable & _FUSE_CAP_IOCTL_DIR:  # the stats ioctl on the root (libfuse2 asks for it)
+                conn.want |= _FUSE_CAP_IOCTL_DIR
             # READDIRPLUS for every listing request, not only a directory's first (the kernel's
             # "auto" mode): the entries then arrive with node ids and attributes, and files opened
             # or stat-ed after a listing need no LOOKUP. Measured on a 120k-entry directory:
@@ -271,21 +275,24 @@ class ArchiveOperations:
             "f_namemax": 255,
         }
 
-    # -- live stats (cdmlfs stats MNT reads this extended attribute of the mount root) ----------
-    def getxattr(self, path: str, name: str, position: int = 0) -> bytes:
-        if path != "/" or name != STATS_XATTR:
-            raise OSError(errno.ENODATA, "")
+    # -- live stats (cdmlfs stats MNT asks the mount root, see cdmlfs.statsio) -------------------
+    # No getxattr or listxattr handler: libfuse answers ENOSYS and the kernel stops forwarding
+    # them, so ls -l, cp -a and tar --xattrs cost no round trip per file for labels and ACLs.
+    def ioctl(self, path: str | None, cmd: int, arg, fh, flags: int, data) -> int:
+        if cmd != statsio.REQUEST or path != "/" or not data:
+            raise OSError(errno.ENOTTY, "")
+        buf = memoryview((ctypes.c_char * statsio.CHUNK).from_address(data)).cast("B")
+        statsio.fill_reply(self._stats_blob_now(), buf)
+        return 0
+
+    def _stats_blob_now(self) -> bytes:
         now = time.monotonic()
-        # The kernel asks twice (size, then value), microseconds apart: answer both from one snapshot.
+        # A reader asks for each chunk of one snapshot microseconds apart: answer them from it.
         # Kept 50 ms, not longer: 'cdmlfs stats' run twice in a row must see what happened between.
         if self._stats_blob is None or now - self._stats_time > 0.05:
             self._stats_blob = json.dumps(self.snapshot(), sort_keys=True).encode()
             self._stats_time = now
         return self._stats_blob
-
-    def listxattr(self, path: str) -> list[str]:
-        # The stats attribute is read by name (cdmlfs stats); listed, cp -a and tar --xattrs copied it.
-        return []
 
     def snapshot(self) -> dict:
         """Everything ``cdmlfs stats`` shows, as plain JSON-able values."""

@@ -49,14 +49,13 @@ enum { V_UNCHECKED = 0, V_VERIFIED = 1, V_CORRUPT = 2 };
 
 typedef int (*getattr_fn)(const char *, struct stat *, void *);
 typedef int (*read_fn)(const char *, char *, size_t, off_t, void *);
-typedef int (*getxattr_fn)(const char *, const char *, char *, size_t);
+typedef int (*ioctl_fn)(const char *, unsigned int, void *, void *, unsigned int, void *);
 /* libfuse3's readdir and its filler (fuse.h); the fast path runs on libfuse3 only. */
 typedef int (*fill_dir_fn)(void *, const char *, const struct stat *, off_t, int);
 typedef int (*readdir_fn)(const char *, void *, fill_dir_fn, off_t, void *, int);
 enum { READDIR_PLUS = 1 << 0, FILL_DIR_PLUS = 1 << 1 }; /* FUSE_READDIR_PLUS, FUSE_FILL_DIR_PLUS */
 
 /* Mirrors cdmlfs.fuse_ops.STATS_XATTR: the one extended attribute there is (on the root). */
-static const char stats_xattr[] = "user.cdmlfs.stats";
 
 enum { COL_KIND, COL_MODE, COL_MTIME, COL_SIZE, COL_METHOD, COL_FLAGS, COL_OFFSET,
        COL_COMP, COL_CRC, COL_NLINK, COL_FAST, COL_VERIFIED, COL_DATA_AT, NCOLS };
@@ -88,7 +87,8 @@ typedef struct {
     int64_t whole_limit;
     getattr_fn py_getattr;
     read_fn py_read;
-    getxattr_fn py_getxattr;
+    ioctl_fn py_ioctl;
+    unsigned int stats_request; /* the one ioctl Python answers (cdmlfs.statsio.REQUEST) */
     readdir_fn py_readdir;
     /* The directory tree (set_tree): parent of each entry, and each directory's children (in
      * listing order) as a run [child_start, child_start + child_count) of child_ids. */
@@ -101,7 +101,7 @@ typedef struct {
     pthread_rwlock_t hot_lock; /* C reads share it; adding or dropping an extent takes it alone */
     HotExtent *hot;
     Py_ssize_t nhot, hot_cap;
-    atomic_ullong getattr_fast, getattr_slow, read_fast, read_slow, bytes_fast, bytes_source, getxattr_fast;
+    atomic_ullong getattr_fast, getattr_slow, read_fast, read_slow, bytes_fast, bytes_source, ioctl_fast;
     atomic_ullong readdir_fast, readdir_slow;
 } FastPath;
 
@@ -597,25 +597,25 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
 }
 
 /*
- * getxattr: `ls -l` asks every file for its ACL and security label, and the kernel does not
- * remember the answer; through Python each question cost ~15 us (a 200k-file `ls -l` took 12-26 s
- * against 3-5 s for `ls -f`). Only the root's stats attribute goes to Python.
+ * ioctl: Python's open() asks every file whether it is a terminal (TCGETS); those get ENOTTY
+ * here. Only the stats request (cdmlfs.statsio) goes to Python.
  */
 static int
-fp_getxattr(const char *path, const char *name, char *value, size_t size)
+fp_ioctl(const char *path, unsigned int cmd, void *arg, void *fi, unsigned int flags, void *data)
 {
     FastPath *t = active;
-    if (t->py_getxattr && path[0] == '/' && path[1] == '\0' && strcmp(name, stats_xattr) == 0)
-        return t->py_getxattr(path, name, value, size);
-    atomic_fetch_add_explicit(&t->getxattr_fast, 1, memory_order_relaxed);
-    return -ENODATA;
+    if (cmd == t->stats_request && t->py_ioctl)
+        return t->py_ioctl(path, cmd, arg, fi, flags, data);
+    atomic_fetch_add_explicit(&t->ioctl_fast, 1, memory_order_relaxed);
+    return -ENOTTY;
 }
 
 static PyObject *
 FastPath_activate(FastPath *self, PyObject *args)
 {
     unsigned long long g, r, x = 0, d = 0;
-    if (!PyArg_ParseTuple(args, "KK|KK", &g, &r, &x, &d))
+    unsigned int stats_request = 0;
+    if (!PyArg_ParseTuple(args, "KK|KKI", &g, &r, &x, &d, &stats_request))
         return NULL;
     if (!self->lookup || !g || !r) {
         PyErr_SetString(PyExc_ValueError, "initialise the table and pass both fallback callbacks");
@@ -623,14 +623,15 @@ FastPath_activate(FastPath *self, PyObject *args)
     }
     self->py_getattr = (getattr_fn)(uintptr_t)g;
     self->py_read = (read_fn)(uintptr_t)r;
-    self->py_getxattr = (getxattr_fn)(uintptr_t)x;
+    self->py_ioctl = (ioctl_fn)(uintptr_t)x;
+    self->stats_request = stats_request;
     self->py_readdir = (readdir_fn)(uintptr_t)d;
     Py_INCREF(self); /* the C callbacks may run until the process ends */
     if (active)
         Py_DECREF(active);
     active = self;
     return Py_BuildValue("KKKK", (unsigned long long)(uintptr_t)fp_getattr, (unsigned long long)(uintptr_t)fp_read,
-                         (unsigned long long)(x ? (uintptr_t)fp_getxattr : 0),
+                         (unsigned long long)(x ? (uintptr_t)fp_ioctl : 0),
                          (unsigned long long)(d ? (uintptr_t)fp_readdir : 0));
 }
 
@@ -780,8 +781,8 @@ FastPath_stats(FastPath *self, PyObject *Py_UNUSED(ignored))
                          (unsigned long long)atomic_load(&self->read_fast), "read_fallback",
                          (unsigned long long)atomic_load(&self->read_slow), "bytes_fast",
                          (unsigned long long)atomic_load(&self->bytes_fast), "bytes_source",
-                         (unsigned long long)atomic_load(&self->bytes_source), "getxattr_fast",
-                         (unsigned long long)atomic_load(&self->getxattr_fast), "readdir_fast",
+                         (unsigned long long)atomic_load(&self->bytes_source), "ioctl_fast",
+                         (unsigned long long)atomic_load(&self->ioctl_fast), "readdir_fast",
                          (unsigned long long)atomic_load(&self->readdir_fast), "readdir_fallback",
                          (unsigned long long)atomic_load(&self->readdir_slow));
 }
@@ -794,7 +795,7 @@ FastPath_nbytes(FastPath *self, void *Py_UNUSED(closure))
 
 static PyMethodDef FastPath_methods[] = {
     {"activate", (PyCFunction)FastPath_activate, METH_VARARGS,
-     "activate(getattr, read[, getxattr[, readdir]] fallbacks) -> the C callbacks' addresses\n"
+     "activate(getattr, read[, ioctl[, readdir[, stats_request]]] fallbacks) -> the C callbacks' addresses\n"
      "Serve from this table; returns the C callbacks to put in fuse_operations."},
     {"lookup", (PyCFunction)FastPath_lookup, METH_O, "lookup(path) -> entry id or -1 (for tests)"},
     {"set_tree", (PyCFunction)FastPath_set_tree, METH_VARARGS,

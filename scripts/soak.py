@@ -17,7 +17,7 @@ What it does, per format:
    ``posix_fadvise(DONTNEED)`` so the next read goes to the daemon, not the
    page cache;
 3. every --interval seconds samples the daemon's RSS and ``cdmlfs stats`` (the
-   user.cdmlfs.stats xattr of the mount root) and the readers' counters;
+   ioctl on the mount root, cdmlfs.statsio) and the readers' counters;
 4. writes ``OUT/soak-FORMAT.json`` (every sample) and ``OUT/soak-FORMAT.txt``:
    wrong bytes (must be 0), errors, RSS flat within the bound (RSS after mount
    + cache + 48 MiB of in-flight slack), files/s and MB/s per interval and how
@@ -41,6 +41,8 @@ import threading
 import time
 import zipfile
 from pathlib import Path
+
+from cdmlfs import statsio
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = [b"tensor", b"batch", b"epoch", b"gradient", b"loss", b"cdmlfs", b"zip", b"frame", b"shard", b"\n"]
@@ -206,7 +208,7 @@ def proc_status(pid: int) -> dict[str, int]:
 
 
 def mount_stats(mnt: Path) -> dict:
-    return json.loads(os.getxattr(str(mnt), "user.cdmlfs.stats"))
+    return statsio.read(str(mnt))
 
 
 def soak_one(fmt: str, archive: Path, members: list, args: argparse.Namespace, out: Path) -> dict:
