@@ -34,9 +34,6 @@ class CacheStats:
         self.evictions = 0
         self.uncacheable = 0
 
-    def as_dict(self) -> dict[str, int]:
-        return dict(vars(self))
-
 
 class ExtentCache:
     """Thread-safe LRU of decoded extents, bounded in bytes (values: bytes or objects with ``nbytes``)."""

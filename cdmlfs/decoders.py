@@ -17,7 +17,7 @@ import zlib
 
 from cdmlfs.errors import CorruptMemberError, SourceError, UnsupportedMethodError
 from cdmlfs.index import BZIP2, DEFLATE, LZMA, STORED, XZ, ZSTD
-from cdmlfs.sources.base import Source
+from cdmlfs.sources.base import Source, SourceRange
 
 METHOD_NAMES = {
     STORED: "stored",
@@ -39,29 +39,6 @@ STREAM_METHODS = frozenset({BZIP2, LZMA, ZSTD, XZ})
 
 def method_name(method: int) -> str:
     return METHOD_NAMES.get(method, f"method {method}")
-
-
-class SourceSlice(io.RawIOBase):
-    """A byte range of a source as a sequential raw stream (for the stdlib decompressors)."""
-
-    def __init__(self, source: Source, offset: int, length: int, chunk: int = 1 << 20) -> None:
-        self._source = source
-        self._start = offset
-        self._end = offset + length
-        self._pos = offset
-        self._chunk = chunk
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf) -> int:  # type: ignore[override]
-        n = min(len(buf), self._end - self._pos, self._chunk)
-        if n <= 0:
-            return 0
-        data = self._source.read_at(self._pos, n)
-        buf[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
 
 
 # Largest decoder window (LZMA dictionary) we allocate: a member's header chooses it, and the
@@ -134,18 +111,18 @@ def open_stream(source: Source, method: int, offset: int, comp_size: int, size: 
 
 def _open_stream(source: Source, method: int, offset: int, comp_size: int, size: int | None):
     if method == BZIP2:
-        return bz2.BZ2File(SourceSlice(source, offset, comp_size))
+        return bz2.BZ2File(SourceRange(source, offset, comp_size))
     if method == LZMA:
         header = source.read_at(offset, min(9, comp_size))
         filters = _lzma_zip_filters(header, size)
         return lzma.LZMAFile(
-            SourceSlice(source, offset + 9, comp_size - 9), format=lzma.FORMAT_RAW, filters=filters
+            SourceRange(source, offset + 9, comp_size - 9), format=lzma.FORMAT_RAW, filters=filters
         )
     if method == XZ:
         import _compression  # LZMAFile cannot pass memlimit; this is the reader it wraps
 
         raw = _compression.DecompressReader(
-            SourceSlice(source, offset, comp_size),
+            SourceRange(source, offset, comp_size),
             lzma.LZMADecompressor,
             trailing_error=lzma.LZMAError,
             format=lzma.FORMAT_XZ,
@@ -156,7 +133,7 @@ def _open_stream(source: Source, method: int, offset: int, comp_size: int, size:
         import zstandard
 
         return zstandard.ZstdDecompressor().stream_reader(
-            SourceSlice(source, offset, comp_size), read_across_frames=True, closefd=False
+            SourceRange(source, offset, comp_size), read_across_frames=True, closefd=False
         )
     raise UnsupportedMethodError(f"compression method {method_name(method)} is not supported")
 

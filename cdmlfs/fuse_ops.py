@@ -198,6 +198,8 @@ class ArchiveOperations:
         return {**{k: getattr(st, k) for k in keys}, "st_mtime": t, "st_ctime": t, "st_atime": t}
 
     def readdir(self, path: str, fh):
+        """mfusepy's list form: its presence makes mfusepy register readdir, and FastFUSE._readdir
+        (attributes and offsets straight into libfuse's buffer) serves every listing instead."""
         ix = self.index
         eid = self._eid(path)
         if ix.kind[eid] != DIR:
@@ -331,6 +333,8 @@ class ArchiveOperations:
                 "misses": cache.stats.misses,
                 "hit_rate": round(cache.stats.hits / lookups, 4) if lookups else None,
                 "evictions": cache.stats.evictions,
+                "inserted_bytes": cache.stats.inserted_bytes,
+                "uncacheable": cache.stats.uncacheable,  # values larger than the cache could ever hold
             },
             "bytes": {"from_source": from_source, "served": served},
             "requests": requests,

@@ -17,7 +17,7 @@ from array import array
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from cdmlfs.errors import ArchiveFormatError, IsADirectoryError_, NotADirectoryError_, NotFoundError
+from cdmlfs.errors import ArchiveFormatError, NotADirectoryError_, NotFoundError
 from cdmlfs.pathrules import normalize
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,6 @@ MEMBER_CRC = 4  # IN_STREAM: `crc` is the member's CRC-32 (written by cdmlfs pac
 INCONSISTENT = 8
 SPARSE = 16  # IN_STREAM (tar sparse file): data segments in Index.sparse, holes read as zeros
 
-DEFAULT_FILE_MODE = 0o644
 DEFAULT_DIR_MODE = 0o755
 PERMISSION_BITS = 0o777  # setuid, setgid, sticky and device bits are never exposed
 MAX_MTIME = float(1 << 40)  # seconds (year ~36800): far past any real date, exact as a double
@@ -185,10 +184,6 @@ class Index:
     def data_entry(self, eid: int) -> int:
         """The entry whose columns describe the bytes of ``eid`` (itself, or a hard link's target)."""
         return self.hardlink_of.get(eid, eid)
-
-    def require_file(self, eid: int) -> None:
-        if self.kind[eid] == DIR:
-            raise IsADirectoryError_(f"{self.paths[eid]}: is a directory")
 
     def stat(self, eid: int) -> EntryStat:
         data = self.data_entry(eid)

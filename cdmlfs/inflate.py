@@ -75,10 +75,15 @@ def check_sizes(comp_size: int, size: int) -> None:
         raise CorruptMemberError(f"declared size {size} is impossible for {comp_size} compressed bytes")
 
 
+def crc_mismatch(expected: int, got: int) -> str:
+    """The one wording of a failed CRC check (logs and errors name it the same way everywhere)."""
+    return f"CRC mismatch (expected {expected:#010x}, got {got:#010x})"
+
+
 def check_crc(got: int, expected: int | None) -> None:
     """Raise CorruptMemberError unless expected is None or equals got."""
     if expected is not None and got != expected:
-        raise CorruptMemberError(f"CRC mismatch (expected 0x{expected:08x}, got 0x{got:08x})")
+        raise CorruptMemberError(crc_mismatch(expected, got))
 
 
 def _check_extent(fd: int, offset: int, n: int) -> None:

@@ -247,7 +247,7 @@ class ExtentReader:
                 return
             self._stored_crc.pop(eid, None)
         if running != crc:
-            self._mark_corrupt(eid, f"CRC mismatch (expected {crc:#010x}, got {running:#010x})")
+            self._mark_corrupt(eid, inflate.crc_mismatch(crc, running))
         self._verified[eid] = VERIFIED
 
     def view(self, eid: int, offset: int, size: int) -> bytes | memoryview:
@@ -579,7 +579,7 @@ class ExtentReader:
             self._mark_corrupt(eid, "member decodes to more bytes than declared")
         crc = self.index.crc[eid]
         if fw.crc != crc:
-            self._mark_corrupt(eid, f"CRC mismatch (expected {crc:#010x}, got {fw.crc:#010x})")
+            self._mark_corrupt(eid, inflate.crc_mismatch(crc, fw.crc))
         self._verified[eid] = VERIFIED
 
     # -- containers ----------------------------------------------------------
@@ -672,6 +672,4 @@ def _view(data: bytes, lo: int, hi: int) -> bytes | memoryview:
 
 
 def _check_crc(data: bytes, crc: int) -> None:
-    got = inflate.crc32(data)
-    if got != crc:
-        raise CorruptMemberError(f"CRC mismatch (expected {crc:#010x}, got {got:#010x})")
+    inflate.check_crc(inflate.crc32(data), crc)

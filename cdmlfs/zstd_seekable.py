@@ -27,7 +27,6 @@ from cdmlfs.errors import ArchiveFormatError
 from cdmlfs.sources.base import Source
 
 ZSTD_MAGIC = 0xFD2FB528
-ZSTD_MAGIC_BYTES = b"\x28\xb5\x2f\xfd"
 SKIPPABLE_MASK = 0xFFFFFFF0
 SKIPPABLE_BASE = 0x184D2A50
 SEEK_TABLE_MAGIC = 0x184D2A5E  # skippable magic the seekable format uses for its seek table

@@ -14,7 +14,7 @@
  * Use: d = FrameDecoder(); d.start(buffer)  (buffer: writable, exactly the frame's size);
  * then d.feed(chunk) or d.feed_fd(fd, offset, length, until) until d.done; d.release()
  * lets go of the buffer. A frame that needs more room than the buffer, or ends early,
- * raises DecodeError; zstd checks the frame checksum when it reaches the frame's end.
+ * raises DecodeError, and so does a frame whose checksum (checked as above) does not match.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -404,7 +404,6 @@ class TarFormat:
         else:
             members = self._open_tar(progress)
             self.stream = RawStream(source)
-        self.members_count = len(members)
         self.index: Index = members.build_index(self._mtime)
 
     def data_offset(self, eid: int) -> int:

@@ -14,7 +14,6 @@ from typing import NamedTuple
 BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)
 MAX_OCTAL_11 = 8**11 - 1  # the largest size or mtime a 12-byte octal field holds
-MAX_OCTAL_7 = 8**7 - 1  # uid / gid / mode fields
 
 REGTYPE = b"0"
 AREGTYPE = b"\0"

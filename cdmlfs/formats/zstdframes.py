@@ -43,7 +43,7 @@ import zstandard
 
 from cdmlfs.cache import ExtentCache, Reservation
 from cdmlfs.errors import CorruptMemberError, MemberError, SourceError
-from cdmlfs.sources.base import Source
+from cdmlfs.sources.base import Source, SourceRange
 
 try:
     from cdmlfs._zstdframe import DecodeError as NativeDecodeError
@@ -151,12 +151,11 @@ class _PyDecode(_Decode):
     """python-zstandard's stream reader (decodes via its own window buffer, then copies)."""
 
     def __init__(self, span: FrameSpan, source: Source, buffer) -> None:
-        from cdmlfs.formats.zstdstream import _SourceRange  # one reader of source ranges
 
         self._span = span
         self._view = memoryview(buffer)
         dctx = zstandard.ZstdDecompressor(max_window_size=1 << MAX_WINDOW_LOG)
-        raw = _SourceRange(source, span.offset, span.length)
+        raw = SourceRange(source, span.offset, span.length)
         self._reader = dctx.stream_reader(raw, read_size=INPUT_CHUNK, read_across_frames=False)
 
     def advance(self, upto: int) -> None:

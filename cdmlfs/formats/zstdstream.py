@@ -47,7 +47,7 @@ import zstandard
 from cdmlfs.cache import ExtentCache
 from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, SourceError
 from cdmlfs.formats import zstdframes
-from cdmlfs.sources.base import Source
+from cdmlfs.sources.base import Source, SourceRange
 from cdmlfs.zstd_seekable import Frame, is_skippable_magic, parse_frame_header
 
 log = logging.getLogger(__name__)
@@ -77,41 +77,6 @@ def _zstd_error(exc: Exception, what: str) -> CorruptMemberError:
             + _LONG_WINDOW_HINT
         )
     return CorruptMemberError(f"corrupt zstd data in {what} ({exc})")
-
-
-class _SourceRange(io.RawIOBase):
-    """A byte range of a source as a sequential raw stream, optionally reporting progress."""
-
-    def __init__(
-        self,
-        source: Source,
-        start: int,
-        length: int,
-        on_read: Callable[[int], None] | None = None,
-    ) -> None:
-        self._source = source
-        self._pos = start
-        self._end = start + length
-        self._on_read = on_read
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, size: int = -1) -> bytes:
-        """What zstandard's stream reader calls: one source read, no intermediate buffer copies."""
-        n = self._end - self._pos if size < 0 else min(size, self._end - self._pos)
-        if n <= 0:
-            return b""
-        data = self._source.read_at(self._pos, n)
-        self._pos += n
-        if self._on_read is not None:
-            self._on_read(self._pos)
-        return data
-
-    def readinto(self, buf) -> int:  # type: ignore[override]
-        data = self.read(len(buf))
-        buf[: len(data)] = data
-        return len(data)
 
 
 # -- frame table -----------------------------------------------------------------
@@ -669,7 +634,7 @@ class ZstdStream:
                     # The header's content size against the table, as whole frames are checked.
                     self._check_frame(i, self.source.read_at(fr.comp_offset[i], min(18, fr.comp_size[i])))
                     dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
-                    raw = _SourceRange(self.source, fr.comp_offset[i], fr.comp_size[i])
+                    raw = SourceRange(self.source, fr.comp_offset[i], fr.comp_size[i])
                     cur.reader = dctx.stream_reader(raw, read_size=SCAN_CHUNK, read_across_frames=False)
                     cur.pos = 0
                     self.restarts += 1
@@ -881,7 +846,7 @@ class ZstdScanView:
                 self._frame_start += size  # all of it is skipped member data: no need to decode
                 continue
             check_window(self.source, self._fi, frame.offset, frame.comp_size)
-            raw = _SourceRange(self.source, frame.offset, frame.comp_size, self._report)
+            raw = SourceRange(self.source, frame.offset, frame.comp_size, self._report)
             self._reader = self._dctx.stream_reader(raw, read_size=SCAN_CHUNK, read_across_frames=False)
             self._pos = self._frame_start
             self.decoded_frames += 1

@@ -1,4 +1,4 @@
-"""Byte sources: where archive bytes come from (a local file now, S3 later).
+"""Byte sources: where archive bytes come from (a local file or an S3 object).
 
 Every source offers the same small interface (:class:`~cdmlfs.sources.base.Source`),
 so archive formats never know whether they read a disk or a network.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+from collections.abc import Callable
 from typing import NamedTuple, Protocol, runtime_checkable
 
 
@@ -45,3 +47,38 @@ class Source(Protocol):
     def fileno(self) -> int | None: ...
 
     def close(self) -> None: ...
+
+
+class SourceRange(io.RawIOBase):
+    """Bytes ``[start, start + length)`` of a source as a forward-only raw stream.
+
+    What the stream decoders read from (zstandard's stream reader, bz2, lzma):
+    each read is one ``read_at``, with no buffer of its own in between.
+    ``on_read`` is told the position after each read (scan progress).
+    """
+
+    def __init__(
+        self, source: Source, start: int, length: int, on_read: Callable[[int], None] | None = None
+    ) -> None:
+        self._source = source
+        self._pos = start
+        self._end = start + length
+        self._on_read = on_read
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        n = self._end - self._pos if size is None or size < 0 else min(size, self._end - self._pos)
+        if n <= 0:
+            return b""
+        data = self._source.read_at(self._pos, n)
+        self._pos += n
+        if self._on_read is not None:
+            self._on_read(self._pos)
+        return data
+
+    def readinto(self, buf) -> int:  # type: ignore[override]
+        data = self.read(len(buf))
+        buf[: len(data)] = data
+        return len(data)
