@@ -101,11 +101,12 @@ def open_stream(source: Source, method: int, offset: int, comp_size: int, size: 
     """A file-like object with bounded ``read(n)`` over member ``method`` data at ``offset``.
 
     ``size`` (the declared uncompressed size) bounds the LZMA dictionary. Decoder
-    set-up failures (bad properties, a window over the limit) are member errors.
+    set-up failures (bad properties, a window over the limit) are member errors; running out of
+    memory is not (it passes: a corrupt verdict would stick to the member for the whole mount).
     """
     try:
         return _open_stream(source, method, offset, comp_size, size)
-    except (lzma.LZMAError, MemoryError, ValueError, OSError, EOFError) as exc:
+    except (lzma.LZMAError, ValueError, OSError, EOFError) as exc:
         raise CorruptMemberError(f"cannot start decoding ({exc or type(exc).__name__})") from None
 
 
@@ -157,6 +158,8 @@ def read_exact(stream, n: int) -> bytes:
         raise CorruptMemberError(f"corrupt compressed data ({exc})") from exc
     except Exception as exc:  # zstandard.ZstdError and friends
         if type(exc).__module__.startswith("zstandard"):
+            if "Allocation error" in str(exc):  # memory pressure, not damage: never a lasting verdict
+                raise MemoryError(str(exc)) from exc
             raise CorruptMemberError(f"corrupt compressed data ({exc})") from exc
         raise
     return parts[0] if len(parts) == 1 else b"".join(parts)

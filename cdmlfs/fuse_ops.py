@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import json
 import logging
 import math
@@ -104,6 +105,8 @@ class ArchiveOperations:
         self._index_bytes = self.index.nbytes()
         self._stats_blob: bytes | None = None
         self._stats_time = 0.0
+        self._stats_number = 0
+        self._stats_lock = threading.Lock()
         if direct_io_min is not None:
             # Opens reach us in this mode; count them (no release handler otherwise: libfuse answers it).
             self.release = self._release
@@ -278,23 +281,30 @@ class ArchiveOperations:
         }
 
     # -- live stats (cdmlfs stats MNT asks the mount root, see cdmlfs.statsio) -------------------
-    # No getxattr or listxattr handler: libfuse answers ENOSYS and the kernel stops forwarding
-    # them, so ls -l, cp -a and tar --xattrs cost no round trip per file for labels and ACLs.
+    # No getxattr handler: libfuse answers ENOSYS and the kernel stops forwarding getxattr, so
+    # ls -l costs no round trip per file for ACLs and labels. listxattr stays (an empty list):
+    # without it tar --xattrs warned "Cannot flistxattr" for every file; only such copiers ask.
+    def listxattr(self, path: str) -> list[str]:
+        return []
+
     def ioctl(self, path: str | None, cmd: int, arg, fh, flags: int, data) -> int:
         if cmd != statsio.REQUEST or path != "/" or not data:
             raise OSError(errno.ENOTTY, "")
         buf = memoryview((ctypes.c_char * statsio.CHUNK).from_address(data)).cast("B")
-        statsio.fill_reply(self._stats_blob_now(), buf)
+        statsio.fill_reply(*self._stats_blob_now(), buf)
         return 0
 
-    def _stats_blob_now(self) -> bytes:
-        now = time.monotonic()
-        # A reader asks for each chunk of one snapshot microseconds apart: answer them from it.
-        # Kept 50 ms, not longer: 'cdmlfs stats' run twice in a row must see what happened between.
-        if self._stats_blob is None or now - self._stats_time > 0.05:
-            self._stats_blob = json.dumps(self.snapshot(), sort_keys=True).encode()
-            self._stats_time = now
-        return self._stats_blob
+    def _stats_blob_now(self) -> tuple[bytes, int]:
+        """The current snapshot as JSON, and its number (one per renewal)."""
+        with self._stats_lock:  # threads of a multithreaded loop renew it one at a time
+            now = time.monotonic()
+            # A reader asks for each chunk of one snapshot microseconds apart: answer them from it.
+            # Kept 50 ms, not longer: 'cdmlfs stats' run twice in a row must see what happened between.
+            if self._stats_blob is None or now - self._stats_time > 0.05:
+                self._stats_blob = json.dumps(self.snapshot(), sort_keys=True).encode()
+                self._stats_time = now
+                self._stats_number += 1
+            return self._stats_blob, self._stats_number
 
     def snapshot(self) -> dict:
         """Everything ``cdmlfs stats`` shows, as plain JSON-able values."""
@@ -358,16 +368,21 @@ def _rss_bytes() -> int | None:
     return None
 
 
-def _eio_on_error(func, *args, **kwargs):
-    """Call a FUSE callback; anything but an OSError is logged with its traceback and becomes EIO."""
-    try:
-        return func(*args, **kwargs)
-    except OSError:
-        raise
-    except Exception as exc:
-        what = args[0].decode("utf-8", "surrogateescape") if args and isinstance(args[0], bytes) else ""
-        log.exception("%s %r failed on an internal error (answered EIO): %r", func.__name__, what, exc)
-        raise OSError(errno.EIO, "internal error") from None
+def _eio_on_error(func):
+    """``func`` (a FUSE callback) with anything but an OSError logged with its traceback as EIO."""
+
+    @functools.wraps(func)
+    def guarded(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except OSError:
+            raise
+        except Exception as exc:
+            what = args[0].decode("utf-8", "surrogateescape") if args and isinstance(args[0], bytes) else ""
+            log.exception("%s %r failed on an internal error (answered EIO): %r", func.__name__, what, exc)
+            raise OSError(errno.EIO, "internal error") from None
+
+    return guarded
 
 
 def make_fuse_class(mfusepy):
@@ -382,13 +397,19 @@ def make_fuse_class(mfusepy):
     fuse3 = mfusepy.fuse_version_major == 3
 
     class FastFUSE(mfusepy.FUSE):
+        def __init__(self, *args, **kwargs) -> None:
+            self._guarded: dict = {}  # callback -> its _eio_on_error guard (mfusepy mounts in __init__)
+            super().__init__(*args, **kwargs)
+
         def _wrapper(self, func, *args, **kwargs):
             # mfusepy answers EINVAL to any exception that is not an OSError: a bug of ours (a
             # ValueError, a MemoryError) would read as a bad argument. Readers get EIO, the log the
-            # traceback; the daemon goes on serving the other files.
-            if func.__name__ == "init":
-                return super()._wrapper(func, *args, **kwargs)
-            return super()._wrapper(_eio_on_error, func, *args, **kwargs)
+            # traceback; the daemon goes on serving the other files. The guard keeps the callback's
+            # name, which mfusepy's own logging goes by.
+            guarded = self._guarded.get(func)
+            if guarded is None:
+                guarded = self._guarded[func] = _eio_on_error(func)
+            return super()._wrapper(guarded, *args, **kwargs)
 
         def fgetattr(self, path, buf, fip):
             ops = self.operations

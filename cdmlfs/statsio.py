@@ -11,7 +11,9 @@ handler the first getxattr answers ENOSYS and the kernel stops asking.
 The request is a restricted (well-formed) ioctl, so FUSE passes it without
 privileges: ``_IOWR('C', 0x53, char[CHUNK])``. The caller sends the byte
 offset it wants (8 bytes, little-endian) and gets back the JSON's total
-length (8 bytes) and up to ``CHUNK - 8`` bytes of it from that offset.
+length and the snapshot's number (4 bytes each) and up to ``CHUNK - 8``
+bytes of it from that offset. A reader whose chunks come from two snapshots
+(another ``cdmlfs stats`` renewed it meanwhile) sees the number change.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ REQUEST = (_IOC_READ_WRITE << 30) | (CHUNK << 16) | (ord("C") << 8) | 0x53
 _HEADER = 8
 
 
-def fill_reply(blob: bytes, buf: memoryview) -> None:
-    """Daemon side: answer a request that arrived in ``buf`` (CHUNK bytes, in place) from ``blob``."""
+def fill_reply(blob: bytes, number: int, buf: memoryview) -> None:
+    """Daemon side: answer a request that arrived in ``buf`` (CHUNK bytes, in place) from ``blob``,
+    snapshot ``number``."""
     offset = int.from_bytes(buf[:_HEADER], "little")
     piece = blob[offset : offset + CHUNK - _HEADER]
-    buf[:_HEADER] = len(blob).to_bytes(_HEADER, "little")
+    buf[:4] = len(blob).to_bytes(4, "little")
+    buf[4:_HEADER] = (number & 0xFFFFFFFF).to_bytes(4, "little")
     buf[_HEADER : _HEADER + len(piece)] = piece
 
 
@@ -41,15 +45,15 @@ def read(mountpoint: str) -> dict:
     try:
         for _ in range(3):  # a second reader can renew the daemon's snapshot between our chunks
             parts: list[bytes] = []
-            offset, total = 0, None
+            offset, total, number = 0, None, None
             while total is None or offset < total:
                 buf = bytearray(CHUNK)
                 buf[:_HEADER] = offset.to_bytes(_HEADER, "little")
                 fcntl.ioctl(fd, REQUEST, buf, True)
-                size = int.from_bytes(buf[:_HEADER], "little")
-                if total is not None and size != total:
+                size, now = int.from_bytes(buf[:4], "little"), int.from_bytes(buf[4:_HEADER], "little")
+                if number is not None and now != number:
                     break  # renewed under us: start over
-                total = size
+                total, number = size, now
                 piece = bytes(buf[_HEADER : _HEADER + min(CHUNK - _HEADER, total - offset)])
                 parts.append(piece)
                 offset += len(piece)
@@ -57,7 +61,7 @@ def read(mountpoint: str) -> dict:
                 try:
                     return json.loads(b"".join(parts))
                 except ValueError:
-                    continue  # pieces of two snapshots of the same length: try again
+                    continue  # not JSON: a daemon of another version? try again, then give up
         raise OSError(errno.EAGAIN, "the stats kept changing while they were read")
     finally:
         os.close(fd)

@@ -55,8 +55,6 @@ typedef int (*fill_dir_fn)(void *, const char *, const struct stat *, off_t, int
 typedef int (*readdir_fn)(const char *, void *, fill_dir_fn, off_t, void *, int);
 enum { READDIR_PLUS = 1 << 0, FILL_DIR_PLUS = 1 << 1 }; /* FUSE_READDIR_PLUS, FUSE_FILL_DIR_PLUS */
 
-/* Mirrors cdmlfs.fuse_ops.STATS_XATTR: the one extended attribute there is (on the root). */
-
 enum { COL_KIND, COL_MODE, COL_MTIME, COL_SIZE, COL_METHOD, COL_FLAGS, COL_OFFSET,
        COL_COMP, COL_CRC, COL_NLINK, COL_FAST, COL_VERIFIED, COL_DATA_AT, NCOLS };
 static const char *col_names[NCOLS] = {"kind", "mode", "mtime", "size", "method", "flags", "offset",

@@ -70,7 +70,9 @@ MAX_WINDOW = 1 << zstdframes.MAX_WINDOW_LOG  # larger windows need --long archiv
 _LONG_WINDOW_HINT = "decompress the archive (zstd -d --long=31) and 'cdmlfs pack' the tar"
 
 
-def _zstd_error(exc: Exception, what: str) -> CorruptMemberError:
+def _zstd_error(exc: Exception, what: str) -> CorruptMemberError | MemoryError:
+    if "Allocation error" in str(exc):  # memory pressure, not damage: never a lasting corrupt verdict
+        return MemoryError(f"{what}: {exc}")
     if "too much memory" in str(exc):  # a frame written with zstd --long: not damage (see check_window)
         return CorruptMemberError(
             f"{what} needs a decoding window over {MAX_WINDOW >> 20} MiB (written with zstd --long): "
@@ -620,6 +622,10 @@ class ZstdStream:
         frame_size = fr.dec_size[i]
         target = k * piece
         length = min(piece, frame_size - target)
+        if self._cache is not None:  # decoded meanwhile by another reader: no decoder to choose
+            done = self._cache.peek(("zp", i, k, piece))
+            if done is not None:
+                return None if prefetching else done
         with self._locked_cursor(i, target) as cur:
             if self._cache is not None:
                 done = self._cache.peek(("zp", i, k, piece))
