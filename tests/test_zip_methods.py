@@ -101,3 +101,27 @@ def test_a_read_error_at_a_members_end_is_not_called_corruption() -> None:
         decoders.at_end(ResetAtEnd())
     assert not decoders.at_end(MoreData())
     assert decoders.at_end(Ended())
+
+
+def test_running_out_of_memory_is_not_a_lasting_corrupt_verdict(tmp_path: Path, monkeypatch) -> None:
+    """A decoder that cannot start for lack of memory leaves the member readable once memory is
+    back: only damage marks a member failed for the rest of the mount."""
+    from cdmlfs import decoders
+
+    content = text_bytes(50_000, 6)
+    path = tmp_path / "m.zip"
+    path.write_bytes(craft.build_zip([_member("a.txt", 12, content)]))
+    real = decoders._open_stream
+    calls = []
+
+    def short_of_memory(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decoders, "_open_stream", short_of_memory)
+    with cdmlfs.open(str(path), cache_size=8 << 20) as ar:
+        with pytest.raises(MemoryError):
+            ar.read("a.txt")
+        assert ar.read("a.txt") == content
