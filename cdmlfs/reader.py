@@ -31,6 +31,7 @@ import bisect
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Hashable
 from typing import Protocol
 
@@ -46,6 +47,15 @@ from cdmlfs.index import DEFLATE, ENCRYPTED, IN_STREAM, INCONSISTENT, MEMBER_CRC
 from cdmlfs.sources.base import Source
 
 log = logging.getLogger(__name__)
+
+# Deflated members this large take seconds to index for random access (one inflate pass at
+# ~150-250 MB/s here): the pass is announced in the log.
+SLOW_INDEX_SIZE = 256 << 20
+
+
+def _human(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"
+
 
 WHOLE_MEMBER_MAX = 64 << 20
 EXTENT_SIZE = 4 << 20
@@ -395,14 +405,28 @@ class ExtentReader:
             ck = self.cache.peek(key)
             if ck is None:
                 ix = self.index
+                size = ix.size[eid]
+                started = time.monotonic()
+                if size >= SLOW_INDEX_SIZE:
+                    # The pass blocks a single-threaded mount: say why it stops answering, and how
+                    # to avoid it (users otherwise see a hang of tens of seconds per 10 GB).
+                    log.warning(
+                        "%s: inflating all %s of this deflated member once to index it for random "
+                        "access; other requests of the mount wait (store such files uncompressed, or "
+                        "'cdmlfs pack' the archive to tar.zst, to avoid it)",
+                        ix.paths[eid],
+                        _human(size),
+                    )
                 ck = DeflateCheckpoints.build(
                     self.source.read_at,
                     self.fmt.data_offset(eid),
                     ix.comp_size[eid],
-                    ix.size[eid],
+                    size,
                     ix.crc[eid],
-                    spacing=self._checkpoint_spacing(ix.size[eid]),
+                    spacing=self._checkpoint_spacing(size),
                 )
+                if size >= SLOW_INDEX_SIZE:
+                    log.warning("%s: indexed in %.1f s", ix.paths[eid], time.monotonic() - started)
                 self.cache.put(key, ck)
         return ck
 

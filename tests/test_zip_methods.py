@@ -125,3 +125,32 @@ def test_running_out_of_memory_is_not_a_lasting_corrupt_verdict(tmp_path: Path, 
         with pytest.raises(MemoryError):
             ar.read("a.txt")
         assert ar.read("a.txt") == content
+
+
+def test_indexing_a_huge_deflated_member_is_announced(tmp_path: Path, caplog) -> None:
+    """Its first random read inflates the whole member once (the mount waits meanwhile): the log
+    says so, names the member and what avoids it, then how long it took."""
+    import logging
+    import zipfile
+
+    from cdmlfs import reader
+
+    size = reader.SLOW_INDEX_SIZE + (1 << 20)
+    path = tmp_path / "big.zip"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+        with zf.open("zeros.bin", "w", force_zip64=True) as f:
+            chunk = bytes(8 << 20)
+            for _ in range(size // len(chunk)):
+                f.write(chunk)
+            f.write(bytes(size % len(chunk)))
+        zf.writestr("small.txt", b"small")
+    with caplog.at_level(logging.WARNING, logger="cdmlfs.reader"), cdmlfs.open(str(path)) as ar:
+        assert ar.read("small.txt") == b"small"
+        assert not caplog.records
+        assert ar.read("zeros.bin", size - 10, 10) == bytes(10)
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 2, lines
+        assert lines[0].startswith("zeros.bin: inflating all 257 MiB") and "cdmlfs pack" in lines[0]
+        assert lines[1].startswith("zeros.bin: indexed in ")
+        ar.read("zeros.bin", 0, 10)
+        assert len(caplog.records) == 2  # once
