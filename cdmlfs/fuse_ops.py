@@ -126,9 +126,9 @@ class ArchiveOperations:
     def _fail(self, exc: CdmlfsError, what: str, eid: int | None = None) -> OSError:
         """Log a member error once (users act on the first line, not on a flood), count it, map errno."""
         kind = type(exc).__name__
-        self.stats.errors[kind] = self.stats.errors.get(kind, 0) + 1
         key = eid if eid is not None else -1
-        with self._log_lock:
+        with self._log_lock:  # also keeps the error counts exact under the multithreaded loop
+            self.stats.errors[kind] = self.stats.errors.get(kind, 0) + 1
             first = key not in self._logged
             if first and len(self._logged) < 100_000:
                 self._logged.add(key)
