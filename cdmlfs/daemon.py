@@ -136,41 +136,12 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
             tune.start()
 
     ops.ready_callback = on_init
-    fuse_kwargs: dict = {
-        "fsname": f"cdmlfs:{archive.location}".replace(",", "_"),
-        "subtype": "cdmlfs",
-        "ro": True,
-        "default_permissions": True,
-        "foreground": True,
-        "nothreads": not multithreaded,
-        "debug": opts.debug,
-    }
-    if mfusepy.fuse_version_major == 2:
-        fuse_kwargs.update(
-            use_ino=True, kernel_cache=True, entry_timeout=3600, attr_timeout=3600, negative_timeout=3600
-        )
-    elif multithreaded:
-        # Each libfuse worker holds a ~1 MiB request buffer: a bounded pool keeps that constant small
-        # (unbounded, a burst of readers cost ~45 MiB beyond the cache). Eight waiting reads cover
-        # the network latency the multithreaded loop exists for.
-        fuse_kwargs.update(max_threads=MAX_THREADS, max_idle_threads=MAX_THREADS // 2)
-    fuse_kwargs.update(opts.fuse_options)
+    fuse_kwargs = _fuse_kwargs(archive, opts, mfusepy.fuse_version_major, multithreaded)
     _tune_malloc(archive)
     gc.collect()
     gc.freeze()  # the index never changes: keep the collector from walking it
     fuse_cls = make_fuse_class(mfusepy)
-    fast, why = fastpath.availability(mfusepy.fuse_version_major)
-    table = None
-    if fast:
-        try:
-            table = fastpath.build_table(archive)
-        except Exception as exc:  # e.g. more entries than its 32-bit ids: Python serves everything
-            fast, why = False, f"its table could not be built: {exc}"
-            log.warning("C fast path off (%s): Python serves every request", exc)
-    ops.fast_table = table
-    if table is not None:
-        fastpath.attach(archive, table)
-    log.debug("C fast path: %s", why if fast else f"off ({why})")
+    table = ops.fast_table = _c_fast_path(archive, mfusepy.fuse_version_major)
     # libfuse's "remember" option needs its own loop (fuse_session_loop_remember).
     poll_us = 0 if multithreaded or "remember" in opts.fuse_options else opts.poll_us
     if opts.pid_file:
@@ -203,6 +174,45 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
         if opts.pid_file:
             with contextlib.suppress(OSError):
                 os.unlink(opts.pid_file)
+
+
+def _fuse_kwargs(archive: Archive, opts: ServeOptions, fuse_major: int, multithreaded: bool) -> dict:
+    """The options mfusepy passes to libfuse: read-only, permissions checked by the kernel."""
+    kwargs: dict = {
+        "fsname": f"cdmlfs:{archive.location}".replace(",", "_"),
+        "subtype": "cdmlfs",
+        "ro": True,
+        "default_permissions": True,
+        "foreground": True,
+        "nothreads": not multithreaded,
+        "debug": opts.debug,
+    }
+    if fuse_major == 2:
+        timeouts = {"entry_timeout": 3600, "attr_timeout": 3600, "negative_timeout": 3600}
+        kwargs.update(use_ino=True, kernel_cache=True, **timeouts)
+    elif multithreaded:
+        # Each libfuse worker holds a ~1 MiB request buffer: a bounded pool keeps that constant small
+        # (unbounded, a burst of readers cost ~45 MiB beyond the cache). Eight waiting reads cover
+        # the network latency the multithreaded loop exists for.
+        kwargs.update(max_threads=MAX_THREADS, max_idle_threads=MAX_THREADS // 2)
+    kwargs.update(opts.fuse_options)
+    return kwargs
+
+
+def _c_fast_path(archive: Archive, fuse_major: int):
+    """The C table over the archive's index, attached to its cache; None when C cannot serve."""
+    fast, why = fastpath.availability(fuse_major)
+    table = None
+    if fast:
+        try:
+            table = fastpath.build_table(archive)
+        except Exception as exc:  # e.g. more entries than its 32-bit ids: Python serves everything
+            fast, why = False, f"its table could not be built: {exc}"
+            log.warning("C fast path off (%s): Python serves every request", exc)
+    if table is not None:
+        fastpath.attach(archive, table)
+    log.debug("C fast path: %s", why if fast else f"off ({why})")
+    return table
 
 
 def set_readahead(mountpoint: str, nbytes: int) -> bool:
