@@ -57,9 +57,6 @@ class ExtentCache:
         self.on_remove: Callable[[Hashable], object] | None = None
         forksafe.register(self)
 
-    def _before_fork(self) -> None:
-        pass
-
     def _after_fork_child(self) -> None:
         """A forked child starts with an empty cache and fresh locks.
 

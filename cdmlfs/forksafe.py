@@ -6,8 +6,8 @@ the daemon; DataLoader workers fork a process that already holds an Archive
 Threads do not survive a fork, and a lock or socket shared with the parent is
 unusable in the child. Objects registered here get two callbacks:
 
-* ``_before_fork()`` in the parent: finish in-flight work so no worker thread
-  holds a lock (ours or the shared cache's) at the moment of the fork;
+* ``_before_fork()`` in the parent (optional): finish in-flight work so no worker
+  thread holds a lock (ours or the shared cache's) at the moment of the fork;
 * ``_after_fork_child()`` in the child: drop thread pools, in-flight state and
   HTTP connections, so they are rebuilt lazily on first use.
 """
@@ -30,8 +30,11 @@ def register(obj: object) -> None:
 
 def _before() -> None:
     for obj in list(_registered):
+        hook = getattr(obj, "_before_fork", None)
+        if hook is None:
+            continue
         try:
-            obj._before_fork()  # type: ignore[attr-defined]
+            hook()
         except Exception:  # a failing hook must not stop the fork
             log.exception("before-fork hook of %r failed", obj)
 

@@ -159,9 +159,6 @@ class ExtentReader:
         self.on_extent: Callable[[Hashable, int, object], object] | None = None
         forksafe.register(self)
 
-    def _before_fork(self) -> None:
-        pass
-
     def _after_fork_child(self) -> None:
         """Fresh locks and decoder states in a forked child (the index and source stay shared)."""
         self._lock = threading.Lock()

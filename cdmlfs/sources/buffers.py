@@ -95,9 +95,6 @@ class BufferPool:
         for _, room in spares:
             room.release()
 
-    def _before_fork(self) -> None:
-        pass
-
     def _after_fork_child(self) -> None:
         # The child's cache starts with no reservations: ours belong to the parent's accounting.
         self._lock = threading.Lock()
