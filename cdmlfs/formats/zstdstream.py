@@ -252,7 +252,7 @@ class ZstdStream:
         self.total = frames.total
         self.whole_max = DEFAULT_WHOLE_MAX
         self.piece = DEFAULT_PIECE
-        self._fd = source.fileno() if hasattr(source, "fileno") else None
+        self._fd = source.fileno()  # None unless a local file (Source protocol)
         self._cache: ExtentCache | None = None
         self._spare_size = 0  # > 0: frames go through a FrameWorker (see bound_extents)
         self._reset_process_state()
