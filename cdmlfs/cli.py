@@ -163,12 +163,12 @@ def cmd_mount(args: argparse.Namespace) -> int:
         ServeOptions,
         check_log_file,
         claim_mountpoint,
-        human_bytes,
         log_path_for,
         mount_daemon,
         serve,
     )
     from cdmlfs.mountpoints import check_mountpoint
+    from cdmlfs.sizes import human_bytes
 
     fuse_options = parse_fuse_options(args.options or [])
     nonempty = bool(fuse_options.pop("nonempty", False))

@@ -32,6 +32,7 @@ from cdmlfs.archive import Archive
 from cdmlfs.errors import CdmlfsError, UsageError
 from cdmlfs.fuse_ops import ArchiveOperations, load_mfusepy, make_fuse_class
 from cdmlfs.mountpoints import is_mounted, unmount
+from cdmlfs.sizes import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -462,11 +463,3 @@ def _last_log_line(path: str, start: int) -> str:
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
-def human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)

@@ -44,6 +44,7 @@ from cdmlfs.errors import (
     UnsupportedMethodError,
 )
 from cdmlfs.index import DEFLATE, ENCRYPTED, IN_STREAM, INCONSISTENT, MEMBER_CRC, SPARSE, STORED, Index
+from cdmlfs.sizes import human_bytes
 from cdmlfs.sources.base import Source
 
 log = logging.getLogger(__name__)
@@ -51,10 +52,6 @@ log = logging.getLogger(__name__)
 # Deflated members this large take seconds to index for random access (one inflate pass at
 # ~150-250 MB/s here): the pass is announced in the log.
 SLOW_INDEX_SIZE = 256 << 20
-
-
-def _human(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"
 
 
 WHOLE_MEMBER_MAX = 64 << 20
@@ -300,8 +297,7 @@ class ExtentReader:
             # Damage does not heal: every later read fails at once, with the same reason, instead
             # of decoding the member again (a multi-GiB deflated one for seconds, each time).
             if self._verified[eid] != CORRUPT:
-                self._corrupt[eid] = exc.reason
-                self._verified[eid] = CORRUPT
+                self._remember_corrupt(eid, exc.reason)
             if exc.member is None:
                 exc.member = ix.paths[eid]
             raise
@@ -342,9 +338,12 @@ class ExtentReader:
 
     def _mark_corrupt(self, eid: int, reason: str) -> None:
         """Remember that member ``eid`` failed a check, and raise: later reads fail the same way."""
+        self._remember_corrupt(eid, reason)
+        raise CorruptMemberError(reason)
+
+    def _remember_corrupt(self, eid: int, reason: str) -> None:
         self._corrupt[eid] = reason
         self._verified[eid] = CORRUPT
-        raise CorruptMemberError(reason)
 
     # -- stored --------------------------------------------------------------
     def _read_stored(self, eid: int, offset: int, size: int, total: int) -> bytes:
@@ -412,7 +411,7 @@ class ExtentReader:
                         "access; other requests of the mount wait (store such files uncompressed, or "
                         "'cdmlfs pack' the archive to tar.zst, to avoid it)",
                         ix.paths[eid],
-                        _human(size),
+                        human_bytes(size),
                     )
                 ck = DeflateCheckpoints.build(
                     self.source.read_at,
