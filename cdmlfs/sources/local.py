@@ -56,26 +56,20 @@ class LocalFile:
                 f"{self.path}: read of {length} bytes at {offset} is outside the file ({self.size} bytes)"
             )
         self.bytes_read += length
-        try:
-            data = os.pread(self._fd, length, offset)
-        except OSError as exc:
-            raise SourceError(f"{self.path}: read failed at offset {offset}: {exc.strerror}") from exc
-        if len(data) != length:
-            # pread of a regular file only comes back short at EOF: the file shrank under us.
-            parts = [data]
-            got = len(data)
-            while got < length:
-                try:
-                    more = os.pread(self._fd, length - got, offset + got)
-                except OSError as exc:
-                    where = f"{self.path}: read failed at offset {offset + got}"
-                    raise SourceError(f"{where}: {exc.strerror}") from exc
-                if not more:
-                    raise SourceError(f"{self.path}: file is shorter than when it was opened")
-                parts.append(more)
-                got += len(more)
-            data = b"".join(parts)
-        return data
+        parts: list[bytes] = []
+        got = 0
+        while True:  # one pread, but for a short one: at EOF, so the file shrank under us
+            try:
+                data = os.pread(self._fd, length - got, offset + got)
+            except OSError as exc:
+                where = f"{self.path}: read failed at offset {offset + got}"
+                raise SourceError(f"{where}: {exc.strerror}") from exc
+            got += len(data)
+            if got == length:
+                return b"".join((*parts, data)) if parts else data
+            if not data:
+                raise SourceError(f"{self.path}: file is shorter than when it was opened")
+            parts.append(data)
 
     def close(self) -> None:
         if self._fd >= 0:
