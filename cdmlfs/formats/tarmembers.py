@@ -143,18 +143,17 @@ class MemberTable:
     def encode(self) -> bytes:
         link_ids = array("I", sorted(self.links))
         sparse_ids = array("I", sorted(self.sparse))
+        names = "\0".join(self.names).encode("utf-8", "surrogateescape")
+        link_text = "\0".join(self.links[i] for i in link_ids).encode("utf-8", "surrogateescape")
         header = {
             "v": SPARSE_ENCODING_VERSION if sparse_ids else ENCODING_VERSION,
             "n": len(self.names),
             "links": len(link_ids),
             "stream_size": self.stream_size,
             "crc": int(self.crcs is not None),
+            "names_bytes": len(names),
+            "links_bytes": len(link_text),
         }
-        names = "\0".join(self.names).encode("utf-8", "surrogateescape")
-        link_text = "\0".join(self.links[i] for i in link_ids).encode("utf-8", "surrogateescape")
-        header["names_bytes"] = len(names)
-        header["links_bytes"] = len(link_text)
-        parts = [json.dumps(header, separators=(",", ":")).encode() + b"\n"]
         cols = [self.mode, self.mtime, self.size, self.offset, link_ids]
         if self.crcs is not None:
             if len(self.crcs) != len(self.names):
@@ -167,10 +166,9 @@ class MemberTable:
                 values += self.sparse[i]
             header["sparse"] = len(sparse_ids)
             header["sparse_values"] = len(values)
-            parts[0] = json.dumps(header, separators=(",", ":")).encode() + b"\n"
             cols += [sparse_ids, counts, values]
-        for col in cols:
-            parts.append(_le_bytes(col))
+        parts = [json.dumps(header, separators=(",", ":")).encode() + b"\n"]
+        parts += [_le_bytes(col) for col in cols]
         parts += [bytes(self.kind), names, link_text]
         return b"".join(parts)
 
