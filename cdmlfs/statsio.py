@@ -22,6 +22,7 @@ import errno
 import fcntl
 import json
 import os
+from collections.abc import Callable
 
 CHUNK = 16368  # an ioctl's size field has 14 bits: at most 16383 bytes travel each way
 _IOC_READ_WRITE = 3
@@ -43,25 +44,30 @@ def read(mountpoint: str) -> dict:
     """Client side: the stats of the mount at ``mountpoint`` (OSError from the open or the ioctl)."""
     fd = os.open(mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        for _ in range(3):  # a second reader can renew the daemon's snapshot between our chunks
-            parts: list[bytes] = []
-            offset, total, number = 0, None, None
-            while total is None or offset < total:
-                buf = bytearray(CHUNK)
-                buf[:_HEADER] = offset.to_bytes(_HEADER, "little")
-                fcntl.ioctl(fd, REQUEST, buf, True)
-                size, now = int.from_bytes(buf[:4], "little"), int.from_bytes(buf[4:_HEADER], "little")
-                if number is not None and now != number:
-                    break  # renewed under us: start over
-                total, number = size, now
-                piece = bytes(buf[_HEADER : _HEADER + min(CHUNK - _HEADER, total - offset)])
-                parts.append(piece)
-                offset += len(piece)
-            else:
-                try:
-                    return json.loads(b"".join(parts))
-                except ValueError:
-                    continue  # not JSON: a daemon of another version? try again, then give up
-        raise OSError(errno.EAGAIN, "the stats kept changing while they were read")
+        return gather(lambda buf: fcntl.ioctl(fd, REQUEST, buf, True))
     finally:
         os.close(fd)
+
+
+def gather(ask: Callable[[bytearray], object]) -> dict:
+    """The snapshot, chunk by chunk: ``ask(buf)`` has a request answered in ``buf`` (in place)."""
+    for _ in range(3):  # a second reader can renew the daemon's snapshot between our chunks
+        parts: list[bytes] = []
+        offset, total, number = 0, None, None
+        while total is None or offset < total:
+            buf = bytearray(CHUNK)
+            buf[:_HEADER] = offset.to_bytes(_HEADER, "little")
+            ask(buf)
+            size, now = int.from_bytes(buf[:4], "little"), int.from_bytes(buf[4:_HEADER], "little")
+            if number is not None and now != number:
+                break  # renewed under us: start over
+            total, number = size, now
+            piece = bytes(buf[_HEADER : _HEADER + min(CHUNK - _HEADER, total - offset)])
+            parts.append(piece)
+            offset += len(piece)
+        else:
+            try:
+                return json.loads(b"".join(parts))
+            except ValueError:
+                continue  # not JSON: a daemon of another version? try again, then give up
+    raise OSError(errno.EAGAIN, "the stats kept changing while they were read")

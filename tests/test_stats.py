@@ -94,20 +94,20 @@ def test_bytes_read_from_a_tar_zst_count_the_compressed_frames(tmp_path: Path, m
 
 
 def test_stats_replies_frame_a_long_snapshot_in_chunks() -> None:
-    """An ioctl carries at most 16 KiB each way: a longer snapshot goes in pieces by offset."""
+    """An ioctl carries at most 16 KiB each way: a longer snapshot goes in pieces by offset, and a
+    reader whose pieces come from two snapshots (renewed by another reader) starts over."""
     from cdmlfs import statsio
 
     blob = json.dumps({"errors": {f"Kind{i}": i for i in range(3000)}}).encode()
     assert len(blob) > 2 * statsio.CHUNK
-    got, offset = b"", 0
-    while offset < len(blob):
-        buf = bytearray(statsio.CHUNK)
-        buf[:8] = offset.to_bytes(8, "little")
-        statsio.fill_reply(blob, 7, memoryview(buf))
-        total, number = int.from_bytes(buf[:4], "little"), int.from_bytes(buf[4:8], "little")
-        assert (total, number) == (len(blob), 7)
-        piece = bytes(buf[8 : 8 + min(statsio.CHUNK - 8, total - offset)])
-        got += piece
-        offset += len(piece)
-    assert got == blob
+    headers = []
+
+    def daemon(buf: bytearray, number: int = 7) -> None:
+        statsio.fill_reply(blob, number, memoryview(buf))
+        headers.append((int.from_bytes(buf[:4], "little"), int.from_bytes(buf[4:8], "little")))
+
+    assert statsio.gather(daemon) == json.loads(blob)
+    assert len(headers) >= 3 and set(headers) == {(len(blob), 7)}
+    renewals = iter((7, 8, 8, 8, 8, 8))
+    assert statsio.gather(lambda buf: daemon(buf, next(renewals))) == json.loads(blob)
     assert statsio.REQUEST >> 30 == 3 and (statsio.REQUEST >> 16) & 0x3FFF == statsio.CHUNK
