@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from archives import flip_byte_in_member, infozip, python_zip, sample_files, text_bytes, write_tree
 from mountutil import run_cli
+from parallel import run_in_threads
 
 import cdmlfs
 from cdmlfs.errors import (
@@ -428,29 +429,19 @@ def test_reads_leave_the_index_columns_as_built(tmp_path: Path) -> None:
     """Threads and the C hot path read the index without locks, so nothing may rewrite it: a ZIP
     data offset used to replace its local-header offset in place, and a thread that had seen "needs
     its local header" could take the data offset for a header (a spurious EIO on a good member)."""
-    import threading
-
     files = {f"d/f{i:03d}.txt": text_bytes(500 + 37 * i, i) for i in range(200)}
     path = tmp_path / "a.zip"
     python_zip(path, files, compression=zipfile.ZIP_DEFLATED)
     with cdmlfs.open(str(path)) as ar:
         ix = ar.index
         before = (bytes(ix.offset), bytes(ix.flags), ar.archive_order())
-        errors: list[BaseException] = []
 
         def read_all(seed: int) -> None:
             names = list(files)
             random.Random(seed).shuffle(names)
-            try:
-                for name in names:
-                    assert ar.read(name) == files[name]
-            except BaseException as exc:  # reported below
-                errors.append(exc)
+            for name in names:
+                assert ar.read(name) == files[name]
 
-        threads = [threading.Thread(target=read_all, args=(s,)) for s in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        errors = run_in_threads(read_all, [(s,) for s in range(8)])
         assert not errors, errors[0]
         assert (bytes(ix.offset), bytes(ix.flags), ar.archive_order()) == before

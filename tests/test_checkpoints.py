@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 import zlib
 
 import pytest
 from inflateutil import deflate, english_like, native_module
+from parallel import run_in_threads
 
 from cdmlfs import inflate
 from cdmlfs.checkpoints import SNAPSHOT_BYTES, DeflateCheckpoints
@@ -175,23 +175,14 @@ def test_concurrent_decodes(backend):
     data = TEXT[: 4 << 20]
     arch = Archive(deflate(data))
     cp = build(backend, arch, data, 512 << 10)
-    errors: list[BaseException] = []
 
     def worker(seed: int) -> None:
         rnd = random.Random(seed)
-        try:
-            for _ in range(15):
-                k = rnd.randrange(cp.interval_count())
-                assert cp.decode_interval(arch.read_at, k) == data[k * cp.spacing : (k + 1) * cp.spacing]
-        except BaseException as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+        for _ in range(15):
+            k = rnd.randrange(cp.interval_count())
+            assert cp.decode_interval(arch.read_at, k) == data[k * cp.spacing : (k + 1) * cp.spacing]
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert not run_in_threads(worker, [(i,) for i in range(6)])
 
 
 def test_backends_agree_byte_for_byte():

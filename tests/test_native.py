@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from inflateutil import deflate, english_like, native_module
+from parallel import run_in_threads
 
 from cdmlfs import inflate
 from cdmlfs.errors import CorruptMemberError, SourceError
@@ -418,22 +419,13 @@ def test_threads_share_nothing(members):
     """Per-thread decompressors: many threads inflating at once all get their own bytes."""
     native = native_module()
     cases = [members[n] for n in ("compressible", "incompressible", "one-byte", "empty")]
-    errors: list[BaseException] = []
 
     def worker(i: int) -> None:
-        try:
-            for j in range(40):
-                data, comp, crc = cases[(i + j) % len(cases)]
-                assert native.inflate(comp, len(data), crc) == data
-        except BaseException as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+        for j in range(40):
+            data, comp, crc = cases[(i + j) % len(cases)]
+            assert native.inflate(comp, len(data), crc) == data
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert not run_in_threads(worker, [(i,) for i in range(8)])
 
 
 def _available_memory() -> int:
