@@ -12,7 +12,8 @@ cheapest first:
    decoding anything (RFC 8878, sections 3.1.1 and 3.1.1.2);
 3. decoding, for frames whose header has no content size (``tar --zstd`` and
    ``pzstd`` write such frames); :mod:`cdmlfs.formats.zstdstream` does that
-   during the one tar scan it needs anyway.
+   during the one tar scan it needs anyway, walking (2.) in the same pass
+   (:class:`FrameWalker` hands it the bytes it walks over).
 
 This module only parses and writes layout; it never decompresses.
 """
@@ -107,79 +108,163 @@ def parse_frame_header(buf: bytes | memoryview, where: int = 0) -> FrameHeader:
 
 
 class _Window:
-    """Buffered positioned reads for walking headers: one source read per MiB, not per block."""
+    """Forward positioned reads for walking a zstd file: one source read per MiB, not per block.
 
-    def __init__(self, source: Source) -> None:
+    What is left of the buffer is kept when it is refilled, so a walk that moves forward reads
+    each byte of the file once, whether it hops over block headers or hands blocks to a decoder.
+    """
+
+    def __init__(self, source: Source, on_read: Callable[[int], None] | None = None) -> None:
         self.source = source
         self.start = 0
         self.buf = b""
+        self.hold = -1  # when >= 0: bytes from this offset on are kept across refills (not yet handed out)
+        self._on_read = on_read
 
     def get(self, pos: int, n: int) -> bytes:
-        end = self.start + len(self.buf)
-        if pos < self.start or pos + n > end:
-            length = min(max(n, WALK_CHUNK), self.source.size - pos)
-            if length < n:
-                raise ArchiveFormatError(f"zstd data is truncated at offset {pos}")
-            self.buf = self.source.read_at(pos, length)
-            self.start = pos
+        """``n`` bytes at ``pos`` (raises ArchiveFormatError past the end of the file)."""
         i = pos - self.start
+        if i < 0 or i + n > len(self.buf):
+            lo = min(pos, self.hold) if self.hold >= 0 else pos  # bytes from here are still wanted
+            j = lo - self.start
+            keep = self.buf[j:] if 0 <= j < len(self.buf) else b""
+            at = lo + len(keep)
+            length = min(max(pos + n - at, WALK_CHUNK), self.source.size - at)
+            if at + length < pos + n:
+                raise ArchiveFormatError(f"zstd data is truncated at offset {pos}")
+            fresh = self.source.read_at(at, length)
+            self.buf = keep + fresh if keep else fresh
+            self.start, i = lo, pos - lo
+            if self._on_read is not None:
+                self._on_read(at + length)
         return self.buf[i : i + n]
 
 
-def walk_frames(source: Source, progress: Callable[[int, int], None] | None = None) -> list[Frame]:
-    """Locate every frame by hopping over frame and block headers (no decoding).
+class FrameWalker:
+    """The frames of a zstd file, one after another, reading the file once (forward only).
+
+    :meth:`next_frame` finds a frame; a data frame is then passed either by
+    hopping over its block headers (:meth:`hop`, nothing decoded) or through
+    :meth:`frame_bytes`, a file object of its compressed bytes for a decoder,
+    after which :meth:`hop` completes it. So a tar scan of a foreign archive
+    locates frames and decodes the ones it needs in one pass: walking the file
+    first and decoding it after read it twice (twice the download from S3).
 
     Raises ArchiveFormatError when the bytes are not a sequence of zstd and
     skippable frames (garbage, truncation).
     """
-    size = source.size
-    window = _Window(source)
-    frames: list[Frame] = []
-    pos = 0
-    next_report = 64 << 20
-    while pos < size:
+
+    def __init__(self, source: Source, on_read: Callable[[int], None] | None = None) -> None:
+        self.size = source.size
+        self.pos = 0  # where the next frame starts
+        self.header: FrameHeader | None = None  # of the data frame being passed
+        self._window = _Window(source, on_read)
+        self._frame = 0  # offset of the data frame being passed
+        self._block = -1  # offset of its next block header; -1 once its last block is passed
+
+    def next_frame(self) -> Frame | None:
+        """The next frame (None at the end of the file).
+
+        A skippable frame is passed at once. A data frame comes with
+        ``comp_size`` 0 and must be passed (:meth:`hop`) before the next call.
+        """
+        if self.header is not None:
+            raise RuntimeError("the previous zstd frame was not passed")
+        pos, size = self.pos, self.size
+        if pos >= size:
+            return None
         if size - pos < 8:
             raise ArchiveFormatError(f"trailing garbage at offset {pos} of the zstd stream")
-        head = window.get(pos, min(MAX_FRAME_HEADER, size - pos))
+        head = self._window.get(pos, min(MAX_FRAME_HEADER, size - pos))
         (magic,) = struct.unpack_from("<I", head)
         if is_skippable_magic(magic):
             (length,) = struct.unpack_from("<I", head, 4)
             if pos + 8 + length > size:
                 raise ArchiveFormatError(f"skippable frame at offset {pos} runs past the end of the file")
-            frames.append(Frame(pos, 8 + length, 0, True))
-            pos += 8 + length
-            continue
+            self.pos = pos + 8 + length
+            return Frame(pos, 8 + length, 0, True)
         try:
-            hdr = parse_frame_header(head, pos)
+            self.header = parse_frame_header(head, pos)
         except ValueError as exc:
             raise ArchiveFormatError(f"corrupt zstd stream: {exc}") from None
-        end = _walk_blocks(window, pos + hdr.header_size, size)
-        if hdr.has_checksum:
-            end += 4
-        if end > size:
-            raise ArchiveFormatError(f"zstd frame at offset {pos} is truncated")
-        frames.append(Frame(pos, end - pos, hdr.content_size, False))
-        pos = end
-        if progress is not None and pos >= next_report:
-            progress(pos, size)
-            next_report = pos + (64 << 20)
-    return frames
+        self._frame = pos
+        self._block = pos + self.header.header_size
+        return Frame(pos, 0, self.header.content_size, False)
 
+    def hop(self) -> Frame:
+        """Pass what is left of the current data frame (block headers only): the frame, complete."""
+        header = self.header
+        if header is None:
+            raise RuntimeError("no zstd frame to pass")
+        while self._next_block() > 0:
+            pass
+        self.header = None
+        self._window.hold = -1
+        return Frame(self._frame, self.pos - self._frame, header.content_size, False)
 
-def _walk_blocks(window: _Window, pos: int, size: int) -> int:
-    """Position just after the last block of the frame whose first block header is at ``pos``."""
-    while True:
-        if pos + 3 > size:
+    def frame_bytes(self) -> _FrameBytes:
+        """The current data frame's compressed bytes, block by block, as a forward file object."""
+        if self.header is None:
+            raise RuntimeError("no zstd frame to read")
+        return _FrameBytes(self, self._frame + self.header.header_size)
+
+    def _next_block(self) -> int:
+        """Pass the next block of the current frame: where it ends (its checksum included after
+        the last block), or 0 when the frame was already over."""
+        pos = self._block
+        if pos < 0:
+            return 0
+        if pos + 3 > self.size:
             raise ArchiveFormatError(f"zstd block header at offset {pos} is truncated")
-        b = window.get(pos, 3)
+        b = self._window.get(pos, 3)
         header = b[0] | (b[1] << 8) | (b[2] << 16)
         block_type = (header >> 1) & 3
         block_size = header >> 3
         if block_type == 3 or block_size > BLOCK_MAX:
             raise ArchiveFormatError(f"corrupt zstd block header at offset {pos}")
-        pos += 3 + (1 if block_type == 1 else block_size)  # an RLE block stores one byte
+        end = pos + 3 + (1 if block_type == 1 else block_size)  # an RLE block stores one byte
         if header & 1:
-            return pos
+            assert self.header is not None
+            end += 4 if self.header.has_checksum else 0
+            self._block = -1
+            self.pos = end
+        else:
+            self._block = end
+        if end > self.size:
+            raise ArchiveFormatError(f"zstd frame at offset {self._frame} is truncated")
+        return end
+
+
+class _FrameBytes:
+    """One frame's compressed bytes for zstd's stream reader, served as far as the blocks passed."""
+
+    def __init__(self, walker: FrameWalker, header_end: int) -> None:
+        self._walker = walker
+        self._pos = walker._frame  # next byte to hand out
+        self._avail = header_end  # bytes before this are known to belong to the frame
+
+    def read(self, n: int = -1) -> bytes:
+        walker = self._walker
+        window = walker._window
+        want = self._pos + (n if n >= 0 else 1 << 62)
+        window.hold = self._pos  # passing blocks must not drop bytes not handed out yet
+        while self._avail < want and (end := walker._next_block()) > 0:
+            self._avail = end
+        end = min(want, self._avail)
+        if end <= self._pos:
+            return b""
+        data = window.get(self._pos, end - self._pos)
+        self._pos = window.hold = end
+        return data
+
+
+def walk_frames(source: Source) -> list[Frame]:
+    """Every frame of a zstd file, located by hopping over frame and block headers (no decoding)."""
+    walker = FrameWalker(source)
+    frames: list[Frame] = []
+    while (frame := walker.next_frame()) is not None:
+        frames.append(frame if frame.skippable else walker.hop())
+    return frames
 
 
 def read_seek_table(source: Source) -> list[Frame] | None:

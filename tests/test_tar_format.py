@@ -90,6 +90,25 @@ def test_index_is_persisted_and_a_second_open_does_not_rescan(tmp_path: Path, ma
         assert ar.read(names[5]) == (many_files / names[5]).read_bytes()
 
 
+@pytest.mark.parametrize("compress", [["zstd", "-q", "-c"], ["pzstd", "-q", "-c", "-1", "-p", "2"]])
+def test_first_open_of_a_foreign_tar_zst_reads_it_once(tmp_path: Path, compress: list[str]) -> None:
+    """Frames are located as the scan decodes them: walking the file first read it twice (twice
+    the download from S3 once the archive outgrows the cache)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(40):
+        (src / f"f{i:02d}.bin").write_bytes(os.urandom(60_000 + 997 * i))  # ~3.2 MB: several 1 MiB windows
+    archive = gnu_tar(tmp_path / "a.tar.zst", src, "gnu", compress)
+    size = archive.stat().st_size
+    counted = CountingSource(archive)
+    with Archive(counted, index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.format.index_source == "scan"
+        assert counted.bytes_read <= size + 4096 + 65577 + 64  # the scan, plus format sniffing
+        assert sorted(ar.files()) == sorted(f"f{i:02d}.bin" for i in range(40))
+        for name in ar.files()[::7]:
+            assert ar.read(name) == (src / name).read_bytes()
+
+
 def test_stale_and_corrupt_index_files_are_rebuilt(tmp_path: Path, many_files: Path) -> None:
     archive = _single_frame(tmp_path, many_files)
     idx = tmp_path / "idx"

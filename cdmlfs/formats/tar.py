@@ -73,7 +73,6 @@ from cdmlfs.zstd_seekable import (
     Frame,
     looks_like_zstd,
     read_seek_table,
-    walk_frames,
 )
 
 log = logging.getLogger(__name__)
@@ -450,14 +449,10 @@ class TarFormat:
         if cached is not None:
             self.index_source = "cache"
             return cached
-        if seek_frames is None:
-            frames = walk_frames(self.source, progress)
-            check_empty_frames(self.source, frames)
-        else:
-            frames = seek_frames
-        if not any(not f.skippable for f in frames):
+        if seek_frames is not None and not any(not f.skippable for f in seek_frames):
             raise ArchiveFormatError("zstd file holds no data frames")
-        view = ZstdScanView(self.source, frames, progress)
+        # Without a seek table, frames are found as the scan goes: the archive is read once.
+        view = ZstdScanView(self.source, seek_frames, progress)
         started = time.monotonic()
         members = MemberTable()
         try:
@@ -465,8 +460,12 @@ class TarFormat:
             view.finish(end)
         except ArchiveFormatError as exc:
             if len(members) == 0 and "not a tar" in str(exc):
+                if not view.has_data_frames:
+                    raise ArchiveFormatError("zstd file holds no data frames") from None
                 raise ArchiveFormatError("zstd data that is not a tar archive") from None
             raise
+        if not view.has_data_frames:
+            raise ArchiveFormatError("zstd file holds no data frames")
         table = view.frame_table()
         members.stream_size = table.total
         _warn_if_cut(members, self.source.identity.location)
@@ -476,7 +475,7 @@ class TarFormat:
             len(members),
             time.monotonic() - started,
             view.decoded_frames,
-            len(frames),
+            len(view.frames),
         )
         self._save_zstd(members, table)
         return members, table

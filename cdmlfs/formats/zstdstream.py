@@ -25,7 +25,8 @@ a core is idle (see ``PREFETCH_DEPTH``).
 The scan views (:class:`RawScanView`, :class:`ZstdScanView`) are forward-only
 readers used once, to build the tar index. The zstd one decodes frame by frame
 with bounded reads, learns the size of frames whose header does not give it,
-and skips frames of known size that hold only member data.
+and skips frames of known size that hold only member data. Without a seek
+table it also finds the frames as it goes, so a foreign archive is read once.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from cdmlfs.cache import ExtentCache
 from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, SourceError
 from cdmlfs.formats import zstdframes
 from cdmlfs.sources.base import Source, SourceRange
-from cdmlfs.zstd_seekable import Frame, is_skippable_magic, parse_frame_header
+from cdmlfs.zstd_seekable import Frame, FrameWalker, is_skippable_magic, parse_frame_header
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,10 @@ def check_window(source: Source, i: int, offset: int, comp_size: int) -> None:
         window = parse_frame_header(source.read_at(offset, min(18, comp_size))).window_size
     except ValueError:
         return  # not a valid header: the decode says so
+    refuse_large_window(i, window)
+
+
+def refuse_large_window(i: int, window: int) -> None:
     if window > MAX_WINDOW:
         raise ArchiveFormatError(
             f"zstd frame #{i} needs a {window >> 20} MiB decoding window (written with zstd --long); "
@@ -172,14 +177,14 @@ def check_window(source: Source, i: int, offset: int, comp_size: int) -> None:
         )
 
 
-def check_empty_frames(source: Source, frames: list[Frame]) -> None:
+def check_empty_frames(source: Source, frames: list[Frame], first: int = 0) -> None:
     """Frames said to decode to nothing must: a frame table skips them (they hold no stream bytes).
 
     A seek table entry or a frame header can claim 0 bytes for a frame that holds data; skipping
     it would shift every later byte of the stream (``zstd -d`` refuses such a file). Genuinely
     empty frames are a few bytes, so this decodes at most ``EMPTY_FRAME_MAX`` bytes per frame.
     """
-    for i, f in enumerate(frames):
+    for i, f in enumerate(frames, first):
         if f.skippable or f.content_size != 0:
             continue
         where = f"zstd frame #{i} at offset {f.offset}"
@@ -764,13 +769,17 @@ class ZstdScanView:
     Decodes frame by frame through bounded reads; frames whose size is known
     and that lie entirely in skipped member data are not decoded at all. The
     sizes learned on the way complete the frame table (:meth:`frame_table`).
+
+    ``frames`` comes from a seek table; without one (None) the frames are
+    found as the scan goes (:class:`FrameWalker`), so the archive is read once,
+    and the rest of the file is walked when the scan ends.
     """
 
     def __init__(
-        self, source: Source, frames: list[Frame], progress: Callable[[int, int], None] | None = None
+        self, source: Source, frames: list[Frame] | None, progress: Callable[[int, int], None] | None = None
     ) -> None:
         self.source = source
-        self.frames = list(frames)
+        self.frames = list(frames) if frames is not None else []
         self.sizes: list[int | None] = [None if f.skippable else f.content_size for f in self.frames]
         self._fi = -1  # index of the frame being decoded (or last one passed)
         self._frame_start = 0  # decoded offset where frame _fi starts
@@ -784,8 +793,13 @@ class ZstdScanView:
         # callback, and view -> reader -> range -> view was a cycle never freed when a scan stopped
         # early (every corrupt archive): the view, its 1 MiB scratch buffer and the decoder leaked.
         self._report = _Reporter(progress, source.size) if progress is not None else None
+        self._walker = FrameWalker(source, self._report) if frames is None else None
         self._dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
         self.decoded_frames = 0
+
+    @property
+    def has_data_frames(self) -> bool:
+        return any(not f.skippable for f in self.frames)
 
     def read(self, pos: int, n: int) -> bytes:
         """Up to ``n`` bytes at ``pos`` (fewer only at the end of the stream); ``pos`` never moves back."""
@@ -816,6 +830,7 @@ class ZstdScanView:
             if known is not None and pos >= self._frame_start + known:
                 self._frame_start += known  # the rest of this frame is skipped member data
                 self._reader = None
+                self._passed()
                 continue
             if pos < self._pos:
                 raise AssertionError("the tar scan moved backwards")
@@ -842,7 +857,7 @@ class ZstdScanView:
             self._end_frame()
 
     def _next_frame(self, pos: int) -> bool:
-        while self._fi + 1 < len(self.frames):
+        while self._fi + 1 < len(self.frames) or self._discover():
             self._fi += 1
             frame = self.frames[self._fi]
             if frame.skippable:
@@ -850,18 +865,44 @@ class ZstdScanView:
             size = self.sizes[self._fi]
             if size is not None and self._frame_start + size <= pos:
                 self._frame_start += size  # all of it is skipped member data: no need to decode
+                self._passed()
                 continue
-            check_window(self.source, self._fi, frame.offset, frame.comp_size)
-            raw = SourceRange(self.source, frame.offset, frame.comp_size, self._report)
+            if self._walker is None:
+                check_window(self.source, self._fi, frame.offset, frame.comp_size)
+                raw = SourceRange(self.source, frame.offset, frame.comp_size, self._report)
+            else:
+                assert self._walker.header is not None
+                refuse_large_window(self._fi, self._walker.header.window_size)
+                raw = self._walker.frame_bytes()
             self._reader = self._dctx.stream_reader(raw, read_size=SCAN_CHUNK, read_across_frames=False)
             self._pos = self._frame_start
             self.decoded_frames += 1
             return True
         return False
 
+    def _discover(self) -> bool:
+        """Walking: the next frame of the file appended to the table (False at the end of the file)."""
+        if self._walker is None:
+            return False
+        frame = self._walker.next_frame()
+        if frame is None:
+            return False
+        self.frames.append(frame)
+        self.sizes.append(None if frame.skippable else frame.content_size)
+        return True
+
+    def _passed(self) -> None:
+        """Walking: frame ``_fi`` is done with; pass the rest of its bytes, now that it is complete."""
+        if self._walker is None:
+            return
+        frame = self.frames[self._fi] = self._walker.hop()
+        if frame.content_size == 0:
+            check_empty_frames(self.source, [frame], self._fi)
+
     def _end_frame(self) -> None:
         size = self._pos - self._frame_start
         expected = self.sizes[self._fi]
+        self._passed()
         frame = self.frames[self._fi]
         if expected is not None and expected != size:
             raise ArchiveFormatError(
@@ -873,7 +914,8 @@ class ZstdScanView:
         self._reader = None
 
     def finish(self, end: int) -> None:
-        """The scan is over at decoded offset ``end``: decode the rest of the current frame for its size."""
+        """The scan is over at decoded offset ``end``: decode the rest of the current frame for its
+        size (and, walking, check that the rest of the file is a sequence of frames)."""
         if self._reader is not None:
             try:
                 while (n := self._reader.readinto(self._scratch)) > 0:
@@ -881,6 +923,10 @@ class ZstdScanView:
             except zstandard.ZstdError as exc:
                 raise ArchiveFormatError(f"corrupt zstd frame #{self._fi}: {exc}") from None
             self._end_frame()
+        while self._discover():
+            self._fi = len(self.frames) - 1
+            if not self.frames[self._fi].skippable:
+                self._passed()
         if self._progress is not None:
             self._progress(self.source.size, self.source.size)
 
