@@ -117,23 +117,23 @@ class _Window:
     def __init__(self, source: Source, on_read: Callable[[int], None] | None = None) -> None:
         self.source = source
         self.start = 0
-        self.buf = b""
+        self.buf = memoryview(b"")
         self.hold = -1  # when >= 0: bytes from this offset on are kept across refills (not yet handed out)
         self._on_read = on_read
 
-    def get(self, pos: int, n: int) -> bytes:
-        """``n`` bytes at ``pos`` (raises ArchiveFormatError past the end of the file)."""
+    def get(self, pos: int, n: int) -> memoryview:
+        """``n`` bytes at ``pos``, a view into the buffer (raises ArchiveFormatError past the end)."""
         i = pos - self.start
         if i < 0 or i + n > len(self.buf):
             lo = min(pos, self.hold) if self.hold >= 0 else pos  # bytes from here are still wanted
             j = lo - self.start
-            keep = self.buf[j:] if 0 <= j < len(self.buf) else b""
-            at = lo + len(keep)
+            kept = len(self.buf) - j if 0 <= j < len(self.buf) else 0
+            at = lo + kept
             length = min(max(pos + n - at, WALK_CHUNK), self.source.size - at)
             if at + length < pos + n:
                 raise ArchiveFormatError(f"zstd data is truncated at offset {pos}")
             fresh = self.source.read_at(at, length)
-            self.buf = keep + fresh if keep else fresh
+            self.buf = memoryview(b"".join((self.buf[j:], fresh)) if kept else fresh)
             self.start, i = lo, pos - lo
             if self._on_read is not None:
                 self._on_read(at + length)
@@ -166,7 +166,8 @@ class FrameWalker:
         """The next frame (None at the end of the file).
 
         A skippable frame is passed at once. A data frame comes with
-        ``comp_size`` 0 and must be passed (:meth:`hop`) before the next call.
+        ``comp_size`` -1 (not known until its end) and must be passed
+        (:meth:`hop`) before the next call.
         """
         if self.header is not None:
             raise RuntimeError("the previous zstd frame was not passed")
@@ -189,24 +190,42 @@ class FrameWalker:
             raise ArchiveFormatError(f"corrupt zstd stream: {exc}") from None
         self._frame = pos
         self._block = pos + self.header.header_size
-        return Frame(pos, 0, self.header.content_size, False)
+        return Frame(pos, -1, self.header.content_size, False)
 
     def hop(self) -> Frame:
         """Pass what is left of the current data frame (block headers only): the frame, complete."""
         header = self.header
         if header is None:
             raise RuntimeError("no zstd frame to pass")
+        self._window.hold = -1  # nothing of the rest is handed out: keep none of it
         while self._next_block() > 0:
             pass
         self.header = None
-        self._window.hold = -1
         return Frame(self._frame, self.pos - self._frame, header.content_size, False)
 
     def frame_bytes(self) -> _FrameBytes:
         """The current data frame's compressed bytes, block by block, as a forward file object."""
         if self.header is None:
             raise RuntimeError("no zstd frame to read")
-        return _FrameBytes(self, self._frame + self.header.header_size)
+        return _FrameBytes(self, self._frame, self._frame + self.header.header_size)
+
+    def read_frame(self, pos: int, n: int, passed: int) -> tuple[bytes, int]:
+        """Up to ``n`` bytes of the current frame at ``pos``, passing blocks as needed.
+
+        ``passed``: the end of what is known to belong to the frame so far (the
+        caller's, from its previous call). Returns the bytes and the new ``passed``.
+        """
+        window = self._window
+        want = pos + n
+        window.hold = pos  # passing blocks must not drop bytes not handed out yet
+        while passed < want and (end := self._next_block()) > 0:
+            passed = end
+        end = min(want, passed)
+        if end <= pos:
+            return b"", passed
+        data = window.get(pos, end - pos)
+        window.hold = end
+        return data, passed
 
     def _next_block(self) -> int:
         """Pass the next block of the current frame: where it ends (its checksum included after
@@ -223,38 +242,31 @@ class FrameWalker:
         if block_type == 3 or block_size > BLOCK_MAX:
             raise ArchiveFormatError(f"corrupt zstd block header at offset {pos}")
         end = pos + 3 + (1 if block_type == 1 else block_size)  # an RLE block stores one byte
-        if header & 1:
+        last = header & 1
+        if last:
             assert self.header is not None
             end += 4 if self.header.has_checksum else 0
+        if end > self.size:
+            raise ArchiveFormatError(f"zstd frame at offset {self._frame} is truncated")
+        if last:
             self._block = -1
             self.pos = end
         else:
             self._block = end
-        if end > self.size:
-            raise ArchiveFormatError(f"zstd frame at offset {self._frame} is truncated")
         return end
 
 
 class _FrameBytes:
-    """One frame's compressed bytes for zstd's stream reader, served as far as the blocks passed."""
+    """One frame's compressed bytes as a forward file object (what zstd's stream reader reads)."""
 
-    def __init__(self, walker: FrameWalker, header_end: int) -> None:
+    def __init__(self, walker: FrameWalker, start: int, header_end: int) -> None:
         self._walker = walker
-        self._pos = walker._frame  # next byte to hand out
-        self._avail = header_end  # bytes before this are known to belong to the frame
+        self._pos = start  # next byte to hand out
+        self._passed = header_end  # bytes before this are known to belong to the frame
 
     def read(self, n: int = -1) -> bytes:
-        walker = self._walker
-        window = walker._window
-        want = self._pos + (n if n >= 0 else 1 << 62)
-        window.hold = self._pos  # passing blocks must not drop bytes not handed out yet
-        while self._avail < want and (end := walker._next_block()) > 0:
-            self._avail = end
-        end = min(want, self._avail)
-        if end <= self._pos:
-            return b""
-        data = window.get(self._pos, end - self._pos)
-        self._pos = window.hold = end
+        data, self._passed = self._walker.read_frame(self._pos, n if n >= 0 else 1 << 62, self._passed)
+        self._pos += len(data)
         return data
 
 

@@ -19,6 +19,7 @@ from test_tar_support import cdmlfs_pack, gnu_tar
 
 from cdmlfs.archive import Archive
 from cdmlfs.errors import ArchiveFormatError, CorruptMemberError
+from cdmlfs.formats import SNIFF_BYTES, TAIL_BYTES
 from cdmlfs.formats.tar import scan_tar
 from cdmlfs.formats.tarheader import build_header, parse_header, parse_pax, pax_record
 from cdmlfs.formats.tarmembers import MemberTable, MemberTableError
@@ -27,6 +28,7 @@ from cdmlfs.index import FILE
 from cdmlfs.index_store import IndexStore, default_index_dir
 from cdmlfs.sources.local import LocalFile
 from cdmlfs.zstd_seekable import (
+    FOOTER_SIZE,
     SEEK_TABLE_MAGIC,
     SEEKABLE_FOOTER_MAGIC,
     read_seek_table,
@@ -85,7 +87,7 @@ def test_index_is_persisted_and_a_second_open_does_not_rescan(tmp_path: Path, ma
     with Archive(second, index_dir=str(idx)) as ar:
         assert ar.format.index_source == "cache"
         # Opening read only what format sniffing reads (4 KiB head, 64 KiB tail): no rescan.
-        assert second.bytes_read <= 4096 + 65577 + 64
+        assert second.bytes_read <= SNIFF_BYTES + TAIL_BYTES + 64
         assert ar.files() == names
         assert ar.read(names[5]) == (many_files / names[5]).read_bytes()
 
@@ -103,10 +105,50 @@ def test_first_open_of_a_foreign_tar_zst_reads_it_once(tmp_path: Path, compress:
     counted = CountingSource(archive)
     with Archive(counted, index_dir=str(tmp_path / "idx")) as ar:
         assert ar.format.index_source == "scan"
-        assert counted.bytes_read <= size + 4096 + 65577 + 64  # the scan, plus format sniffing
+        # The scan, plus format sniffing and the look for a seek table.
+        assert counted.bytes_read <= size + SNIFF_BYTES + TAIL_BYTES + FOOTER_SIZE
         assert sorted(ar.files()) == sorted(f"f{i:02d}.bin" for i in range(40))
         for name in ar.files()[::7]:
             assert ar.read(name) == (src / name).read_bytes()
+
+
+def test_scan_memory_stays_bounded_when_it_skips_the_rest_of_a_frame(tmp_path: Path) -> None:
+    """Frames with content sizes (``zstd FILE`` writes them) and a member crossing into the next
+    frame: the scan leaves the first frame part-decoded and hops over the rest of it. That hop kept
+    every byte it passed (the bytes not yet handed to the decoder were held across refills)."""
+    import tracemalloc
+
+    big = os.urandom(32 << 20)
+    with io.BytesIO() as buf:
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tf:
+            for name, data in (("a.txt", b"a"), ("big.bin", big), ("z.txt", b"z")):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+        plain = buf.getvalue()
+    cut = len(plain) // 2
+    cctx = zstandard.ZstdCompressor(level=1, write_content_size=True)
+    archive = tmp_path / "two.tar.zst"
+    archive.write_bytes(cctx.compress(plain[:cut]) + cctx.compress(plain[cut:]))
+    tracemalloc.start()
+    try:
+        with Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
+            _, peak = tracemalloc.get_traced_memory()
+            assert sorted(ar.files()) == ["a.txt", "big.bin", "z.txt"]
+            assert ar.read("z.txt") == b"z"
+    finally:
+        tracemalloc.stop()
+    assert peak < 12 << 20, peak  # a few 1 MiB buffers, not the 16 MiB left of the first frame
+
+
+def test_zstd_files_that_hold_no_tar_say_so(tmp_path: Path) -> None:
+    only_skippable = skippable_frame(b"x" * 100) + skippable_frame(b"y")
+    not_tar = zstandard.ZstdCompressor().compress(b"just some text, no tar header\n" * 40)
+    for data, message in ((only_skippable, "holds no data frames"), (not_tar, "not a tar archive")):
+        path = tmp_path / "f.tar.zst"
+        path.write_bytes(data)
+        with pytest.raises(ArchiveFormatError, match=message):
+            Archive(str(path), index_dir=str(tmp_path / "idx"))
 
 
 def test_stale_and_corrupt_index_files_are_rebuilt(tmp_path: Path, many_files: Path) -> None:

@@ -12,12 +12,13 @@ from cdmlfs.errors import ArchiveFormatError
 from cdmlfs.sources.base import Source
 
 SNIFF_BYTES = 4096
+TAIL_BYTES = 65557 + 20  # the largest ZIP end record (with its comment) and a ZIP64 locator
 
 
 def open_format(source: Source, progress: Callable[[int, int], None] | None = None, **options):
     """Open ``source`` with the format its bytes announce; raise ArchiveFormatError otherwise."""
     head = source.read_at(0, min(SNIFF_BYTES, source.size)) if source.size else b""
-    tail_len = min(source.size, 65557 + 20)
+    tail_len = min(source.size, TAIL_BYTES)
     tail = source.read_at(source.size - tail_len, tail_len) if tail_len else b""
     for sniff, opener in _sniffers():
         if sniff(head, tail):

@@ -449,23 +449,22 @@ class TarFormat:
         if cached is not None:
             self.index_source = "cache"
             return cached
-        if seek_frames is not None and not any(not f.skippable for f in seek_frames):
-            raise ArchiveFormatError("zstd file holds no data frames")
         # Without a seek table, frames are found as the scan goes: the archive is read once.
         view = ZstdScanView(self.source, seek_frames, progress)
         started = time.monotonic()
         members = MemberTable()
+        not_tar = False
         try:
             end = scan_tar(view, members)
             view.finish(end)
         except ArchiveFormatError as exc:
-            if len(members) == 0 and "not a tar" in str(exc):
-                if not view.has_data_frames:
-                    raise ArchiveFormatError("zstd file holds no data frames") from None
-                raise ArchiveFormatError("zstd data that is not a tar archive") from None
-            raise
+            if len(members) != 0 or "not a tar" not in str(exc):
+                raise
+            not_tar = True
         if not view.has_data_frames:
             raise ArchiveFormatError("zstd file holds no data frames")
+        if not_tar:
+            raise ArchiveFormatError("zstd data that is not a tar archive")
         table = view.frame_table()
         members.stream_size = table.total
         _warn_if_cut(members, self.source.identity.location)

@@ -799,6 +799,7 @@ class ZstdScanView:
 
     @property
     def has_data_frames(self) -> bool:
+        """Whether the file holds any zstd data frame (of those listed or found so far)."""
         return any(not f.skippable for f in self.frames)
 
     def read(self, pos: int, n: int) -> bytes:
@@ -896,7 +897,7 @@ class ZstdScanView:
         if self._walker is None:
             return
         frame = self.frames[self._fi] = self._walker.hop()
-        if frame.content_size == 0:
+        if frame.content_size == 0:  # reads it again, but it is a few bytes (else it is refused)
             check_empty_frames(self.source, [frame], self._fi)
 
     def _end_frame(self) -> None:
