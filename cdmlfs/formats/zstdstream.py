@@ -16,18 +16,10 @@ Tar members live at offsets of one byte stream: the file itself for a plain
   read behind the decoder restarts it at the frame's start. Such a frame's
   checksum is verified when its last piece is decoded.
 
-**Decoding ahead** (``warm_up(decode_ahead=True)``, which the daemon asks for):
-a reader that moves from one extent to the next (archive order) gets the
-following extent decoded by a background thread, through a cache reservation
-like any other decode; random reads never trigger it. The thread runs at
-``SCHED_IDLE`` priority, so it mostly takes a core nobody else wants. Measured
-on the 2-core reference VM, single-frame archive read in archive order through
-the mount (alternating rounds, two runs): one reader (it and the daemon take
-turns, a core sits idle) 172 -> 245 and 192 -> 261 MB/s; four readers (both
-cores busy) 329 -> 324 and 388 -> 349 MB/s; at normal priority one reader
-gained more (+60%) and four lost 9-11%. In-process readers (the Python API)
-compete with it for the GIL (-6%): off there. ``CDMLFS_PREFETCH=0`` turns it
-off, ``=1`` on for every reader (A/B runs).
+With ``CDMLFS_PREFETCH=1``, a reader that moves from one extent to the next
+(archive order, read-all of a packed archive) gets the following extent decoded
+ahead by a background thread, through a cache reservation like any other
+decode; random reads never trigger it. It is off by default (see ``PREFETCH_DEPTH``).
 
 The scan views (:class:`RawScanView`, :class:`ZstdScanView`) are forward-only
 readers used once, to build the tar index. The zstd one decodes frame by frame
@@ -65,7 +57,13 @@ DEFAULT_WHOLE_MAX = 16 << 20
 DEFAULT_PIECE = 4 << 20
 MAX_CURSORS = 4  # forward decoders kept alive (each holds a window of up to 128 MiB... usually 2-8 MiB)
 SCAN_CHUNK = 1 << 20
-PREFETCH_ENV = os.environ.get("CDMLFS_PREFETCH", "")  # "0": never decode ahead, "1": always (A/B runs)
+# Extents decoded ahead of a sequential reader (each reserved in the cache). Off unless
+# CDMLFS_PREFETCH=1. It pays when a core is idle: one reader of a single-frame archive through the
+# mount 172-192 -> 245-335 MB/s; four readers lost 9-11%. Not the default, for what a review found
+# (2026-11-30): a reader waiting for the decoder the prefetch holds can find it moved past its
+# piece before the piece is cached, and restart the frame from byte 0; at idle priority the thread
+# can be starved while holding the decoder; on packed archives it bypasses the early-member path.
+PREFETCH_DEPTH = int(os.environ.get("CDMLFS_PREFETCH", "0"))
 MAX_STREAM = 1 << 62
 SCRATCH_MAX = 8 << 20  # frames compressed to more than this are read into fresh buffers
 MAX_WINDOW = 1 << zstdframes.MAX_WINDOW_LOG  # larger windows need --long archives
@@ -268,7 +266,6 @@ class ZstdStream:
         self.frame_decodes = 0  # whole frames decoded (for stats and tests)
         self.restarts = 0  # forward decoders started at a frame's beginning
         self.prefetched = 0  # extents decoded ahead of the reader
-        self.decode_ahead = PREFETCH_ENV == "1"  # see warm_up
 
     def _in_this_process(self) -> None:
         """Start afresh if this is a forked child (see ``_reset_process_state``)."""
@@ -282,7 +279,7 @@ class ZstdStream:
         self._cursors: OrderedDict[tuple[int, int], _Cursor] = OrderedDict()  # (frame, serial)
         self._cursor_serial = 0
         self._lock = threading.Lock()
-        self._queue: queue.Queue[Hashable] = queue.Queue(maxsize=1)  # one extent ahead
+        self._queue: queue.Queue[Hashable] = queue.Queue(maxsize=max(1, PREFETCH_DEPTH))
         self._worker: threading.Thread | None = None
         self._seen: Hashable | None = None
         self._frames = self._new_frame_worker()
@@ -348,7 +345,7 @@ class ZstdStream:
                     out.append((("zp", i, k, piece), start + k * piece, min(piece, length - k * piece)))
                     k += 1
             i += 1
-        if self._cache is not None and out and self.decode_ahead:
+        if self._cache is not None and out and PREFETCH_DEPTH:
             self._note_position(out[-1][0])
         return out
 
@@ -396,8 +393,6 @@ class ZstdStream:
         return min(piece, self.frames.dec_size[i] - k * piece)
 
     def _prefetch_loop(self) -> None:
-        with contextlib.suppress(AttributeError, OSError):  # only on a core nobody else wants
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         while True:
             key = self._queue.get()
             try:
@@ -510,12 +505,9 @@ class ZstdStream:
             out.update(self._frames.stats())
         return out
 
-    def warm_up(self, decode_ahead: bool = False) -> None:
-        """Have the frame worker's spare buffers faulted in before the first reads need them, and
-        with ``decode_ahead`` decode ahead of readers moving in archive order (module docstring)."""
+    def warm_up(self) -> None:
+        """Have the frame worker's spare buffers faulted in before the first reads need them."""
         self._in_this_process()
-        if decode_ahead and PREFETCH_ENV != "0":
-            self.decode_ahead = True
         if self._frames is not None:
             self._frames.prefill()
 
