@@ -36,7 +36,7 @@ from collections.abc import Callable, Hashable
 from typing import Protocol
 
 from cdmlfs import decoders, forksafe, inflate
-from cdmlfs.cache import ExtentCache
+from cdmlfs.cache import ExtentCache, Reservation
 from cdmlfs.errors import (
     CorruptMemberError,
     EncryptedMemberError,
@@ -71,8 +71,9 @@ class ContainerStream(Protocol):
         """Extents ``(cache_key, start, length)`` that cover ``[offset, offset + size)`` of the stream."""
         ...
 
-    def decode(self, key: Hashable) -> bytes:
-        """Decoded bytes of one extent (exactly its length), or raise a MemberError."""
+    def decode(self, key: Hashable, room: Reservation | None = None) -> bytes:
+        """Decoded bytes of one extent (exactly its length), or raise a MemberError. The stream
+        may commit them into ``room`` itself (before other readers can see its decoder move on)."""
         ...
 
     def verified_extent(self, key: Hashable) -> bool:
@@ -662,10 +663,11 @@ class ExtentReader:
             chunk = self.cache.get(key)
             if chunk is None:
                 with self.cache.reserve(length) as room:
-                    chunk = stream.decode(key)
+                    chunk = stream.decode(key, room)
                     if len(chunk) != length:
                         raise CorruptMemberError(f"extent decoded to {len(chunk)} bytes instead of {length}")
-                    room.commit(key, chunk)
+                    if room.remaining:  # not committed by the stream already
+                        room.commit(key, chunk)
             lo = max(offset - start, 0)
             hi = min(end - start, length)
             parts.append(_view(chunk, lo, hi))

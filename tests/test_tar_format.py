@@ -8,6 +8,7 @@ import os
 import struct
 import subprocess
 import tarfile
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -344,6 +345,58 @@ def test_sequential_reads_decode_the_next_extent_ahead_within_the_cache_bound(
         assert ar.read(by_piece[2]) == (many_files / by_piece[2]).read_bytes()
         assert stream.restarts == before
         assert ar.cache.held + ar.cache.reserved <= 1 << 20
+
+
+def test_a_reader_waiting_for_a_decoder_takes_the_piece_it_decoded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two readers of one piece of a large frame: the second waits for the decoder the first holds.
+    The piece was committed to the cache only after that decoder's lock was let go: the second
+    found the decoder past its piece and nothing cached, and restarted the frame from byte 0.
+    (Delays stand in for the first thread being descheduled at the worst moment.)"""
+    from cdmlfs import cache as cachemod
+    from cdmlfs.formats import zstdstream
+
+    members = {f"f{i:02d}": (os.urandom(1024) * 256)[: 256 << 10] for i in range(48)}
+    with io.BytesIO() as buf:
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tf:
+            for name, data in members.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+        archive = tmp_path / "one.tar.zst"
+        archive.write_bytes(zstandard.ZstdCompressor(level=1).compress(buf.getvalue()))
+    with Archive(str(archive), cache_size=4 << 20, index_dir=str(tmp_path / "idx")) as ar:
+        stream, ix = ar.format.stream, ar.index
+        piece = stream.piece
+        assert stream.frames.dec_size[0] > 3 * piece
+        in_piece: dict[int, list[str]] = {}
+        for name in ar.archive_order():
+            eid = ix.lookup(name)
+            if ix.offset[eid] // piece == (ix.offset[eid] + ix.size[eid] - 1) // piece:
+                in_piece.setdefault(ix.offset[eid] // piece, []).append(name)
+        for k in (0, 1):  # the decoder now stands at the start of piece 2
+            assert ar.read(in_piece[k][0]) == members[in_piece[k][0]]
+
+        def slow_for_first(fn):
+            def wrapped(*args):
+                if threading.current_thread().name == "first":
+                    time.sleep(0.2)
+                return fn(*args)
+
+            return wrapped
+
+        monkeypatch.setattr(zstdstream, "_read_piece", slow_for_first(zstdstream._read_piece))
+        monkeypatch.setattr(cachemod.Reservation, "commit", slow_for_first(cachemod.Reservation.commit))
+        got: list[bytes] = []
+        first = threading.Thread(target=lambda: got.append(ar.read(in_piece[2][0])), name="first")
+        first.start()
+        time.sleep(0.05)  # the first reader holds the decoder, decoding piece 2
+        before = stream.restarts
+        assert ar.read(in_piece[2][1]) == members[in_piece[2][1]]
+        first.join()
+        assert got == [members[in_piece[2][0]]]
+        assert stream.restarts == before
 
 
 def test_reads_a_little_out_of_order_in_a_large_frame_make_one_pass(tmp_path: Path) -> None:

@@ -44,7 +44,7 @@ from collections.abc import Callable, Hashable
 
 import zstandard
 
-from cdmlfs.cache import ExtentCache
+from cdmlfs.cache import ExtentCache, Reservation
 from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, SourceError
 from cdmlfs.formats import zstdframes
 from cdmlfs.sources.base import Source, SourceRange
@@ -227,7 +227,7 @@ class RawStream:
             k += 1
         return out
 
-    def decode(self, key: Hashable) -> bytes:
+    def decode(self, key: Hashable, room: Reservation | None = None) -> bytes:
         k = key[1]  # type: ignore[index]
         start = k * RAW_BLOCK
         return self.source.read_at(start, min(RAW_BLOCK, self.total - start))
@@ -412,9 +412,10 @@ class ZstdStream:
                 data = self._decode_frame(key[1])  # type: ignore[index]
             else:
                 _, i, k, piece = key  # type: ignore[misc]
-                data = self._decode_piece(i, k, piece, prefetching=True)
+                data = self._decode_piece(i, k, piece, prefetching=True, room=room)
             if data is not None and len(data) == length:
-                room.commit(key, data)
+                if room.remaining:  # a whole frame (a piece was committed under its decoder's lock)
+                    room.commit(key, data)
                 self.prefetched += 1
 
     def verified_extent(self, key: Hashable) -> bool:
@@ -422,12 +423,12 @@ class ZstdStream:
         of a large frame is served before the frame's end is reached."""
         return key[0] == "zf"  # type: ignore[index]
 
-    def decode(self, key: Hashable) -> bytes:
+    def decode(self, key: Hashable, room: Reservation | None = None) -> bytes:
         self._in_this_process()
         if key[0] == "zf":  # type: ignore[index]
             return self._decode_frame(key[1])  # type: ignore[index]
         _, i, k, piece = key  # type: ignore[misc]
-        data = self._decode_piece(i, k, piece)
+        data = self._decode_piece(i, k, piece, room=room)
         assert data is not None
         return data
 
@@ -588,15 +589,20 @@ class ZstdStream:
             return cur
 
     @contextlib.contextmanager
-    def _locked_cursor(self, i: int, target: int):
+    def _locked_cursor(self, i: int, target: int, key: Hashable):
         """``_cursor`` under its lock; chosen again when another reader moved it past ``target``
-        while we waited (continuing there would restart it and undo that reader's progress)."""
+        while we waited (continuing there would restart it and undo that reader's progress).
+        None when that reader decoded the piece ``key`` we wait for: it is in the cache (pieces
+        are committed before their decoder's lock is let go), no decoder is needed."""
         for _ in range(3):
             cur = self._cursor(i, target)
             cur.lock.acquire()
             if cur.reader is None or cur.pos <= target:
                 break
             cur.lock.release()
+            if self._cache is not None and self._cache.peek(key) is not None:
+                yield None
+                return
         else:
             cur.lock.acquire()  # still passed: it restarts
         try:
@@ -623,7 +629,12 @@ class ZstdStream:
         except ValueError:
             return 0  # the decode reports the bad header
 
-    def _decode_piece(self, i: int, k: int, piece: int, prefetching: bool = False) -> bytes | None:
+    def _decode_piece(
+        self, i: int, k: int, piece: int, prefetching: bool = False, room: Reservation | None = None
+    ) -> bytes | None:
+        """Piece ``k`` of frame ``i`` from a forward decoder; with ``room``, committed to the cache
+        before the decoder's lock is let go, so a reader waiting for that decoder finds it there
+        instead of restarting the frame (None: prefetching found nothing to do)."""
         fr = self.frames
         where = f"zstd frame #{i} at offset {fr.comp_offset[i]}"
         frame_size = fr.dec_size[i]
@@ -633,11 +644,13 @@ class ZstdStream:
             done = self._cache.peek(("zp", i, k, piece))
             if done is not None:
                 return None if prefetching else done
-        with self._locked_cursor(i, target) as cur:
+        key = ("zp", i, k, piece)
+        with self._locked_cursor(i, target, key) as cur:
             if self._cache is not None:
-                done = self._cache.peek(("zp", i, k, piece))
+                done = self._cache.peek(key)
                 if done is not None:  # decoded ahead while we waited for the decoder
                     return None if prefetching else done
+            assert cur is not None  # None only when the piece is cached
             if prefetching and (cur.reader is None or cur.pos != target):
                 return None  # only ever continue a decoder exactly where it stands
             try:
@@ -658,6 +671,8 @@ class ZstdStream:
                 cur.pos += length
                 if cur.pos == frame_size and reader.read(1):  # also makes zstd check the frame checksum
                     raise CorruptMemberError(f"{where} decodes to more than {frame_size} bytes")
+                if room is not None:
+                    room.commit(key, data)
             except zstandard.ZstdError as exc:
                 cur.reader = None
                 raise _zstd_error(exc, where) from None
