@@ -102,15 +102,18 @@ class Archive:
     def location(self) -> str:
         return self._location if self._location is not None else repr(self.source)
 
-    def warm_up(self) -> None:
+    def warm_up(self, decode_ahead: bool = False) -> None:
         """Prepare for the first reads in the background (pre-faulted zstd frame buffers).
 
         The daemon calls it once it serves; a long-lived Python user may too.
         Call it in the process that will read (threads do not survive a fork).
+        ``decode_ahead``: a tar.zst reader moving in archive order gets the next
+        extent decoded on an idle core; it pays when the readers are other
+        processes (the daemon's case), not threads of this one (they share the GIL).
         """
         warm = getattr(getattr(self.format, "stream", None), "warm_up", None)
         if warm is not None:
-            warm()
+            warm(decode_ahead=decode_ahead)
 
     def close(self) -> None:
         self.reader.close()  # reads after this fail: the file descriptor number may be reused

@@ -130,7 +130,7 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
     def on_init() -> None:
         mounted_once.append(True)
         ready()
-        archive.warm_up()
+        archive.warm_up(decode_ahead=True)  # our readers are other processes
         if opts.readahead:
             # Off the FUSE thread: stat-ing the mount point needs the loop to answer.
             tune = threading.Thread(target=set_readahead, args=(opts.mountpoint, opts.readahead), daemon=True)

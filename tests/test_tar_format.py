@@ -317,13 +317,11 @@ def test_single_frame_warns_once_and_archive_order_is_one_pass(
 
 
 def test_sequential_reads_decode_the_next_extent_ahead_within_the_cache_bound(
-    tmp_path: Path, many_files: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, many_files: Path
 ) -> None:
-    from cdmlfs.formats import zstdstream
-
-    monkeypatch.setattr(zstdstream, "PREFETCH_DEPTH", 1)  # opt-in (CDMLFS_PREFETCH=1)
     archive = _single_frame(tmp_path, many_files)
     with Archive(str(archive), cache_size=1 << 20, index_dir=str(tmp_path)) as ar:
+        ar.warm_up(decode_ahead=True)  # what the daemon asks for (off for in-process readers)
         stream = ar.format.stream
         piece = stream.piece
         assert stream.frames.dec_size[0] > 3 * piece

@@ -223,6 +223,21 @@ def test_warm_up_fills_the_spares_inside_the_cache_bound(packed: Path, src: Path
         assert worker.spares_used == 1
 
 
+def test_decoding_ahead_leaves_packed_frames_to_the_early_member_path(
+    packed: Path, src: Path, tmp_path: Path
+) -> None:
+    """Decoding whole frames ahead bypassed the early members (and decoded frames twice when the
+    reader came while the prefetch was at it): it is for pieces of large frames only."""
+    with Archive(str(packed), cache_size=64 * MiB, index_dir=str(tmp_path / "idx")) as ar:
+        ar.warm_up(decode_ahead=True)
+        stream = ar.format.stream
+        for path in ar.archive_order():
+            assert ar.read(path) == (src / path).read_bytes()
+        assert stream.prefetched == 0
+        large = sum(1 for n in stream.frames.dec_size if n >= zstdframes.MIN_FRAME)  # smaller: decoded whole
+        assert stream._frames is not None and stream._frames.early_frames == large > 1
+
+
 def test_forked_child_reads_with_its_own_worker(packed: Path, src: Path, tmp_path: Path) -> None:
     with Archive(str(packed), index_dir=str(tmp_path / "idx")) as ar:
         paths = ar.archive_order()

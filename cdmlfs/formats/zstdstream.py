@@ -16,10 +16,21 @@ Tar members live at offsets of one byte stream: the file itself for a plain
   read behind the decoder restarts it at the frame's start. Such a frame's
   checksum is verified when its last piece is decoded.
 
-With ``CDMLFS_PREFETCH=1``, a reader that moves from one extent to the next
-(archive order, read-all of a packed archive) gets the following extent decoded
-ahead by a background thread, through a cache reservation like any other
-decode; random reads never trigger it. It is off by default (see ``PREFETCH_DEPTH``).
+**Decoding ahead** (``warm_up(decode_ahead=True)``, which the daemon asks for):
+a reader that moves from one piece of a large frame to the next (archive order
+in a single-frame archive) gets the following piece decoded by a background
+thread, through a cache reservation taken only when there is room at once;
+random reads never trigger it, and whole frames (packed archives) have the frame
+worker instead. A piece is committed before its decoder's lock is let go, so a
+reader waiting for that decoder finds the piece and never restarts the frame.
+Measured on the 2-core reference VM, a single-frame archive read in archive
+order through the mount, alternating rounds: one reader (it and the daemon take
+turns, a core sits idle) 151-178 -> 264-293 MB/s; four readers (both cores
+busy) 269-326 -> 273-302 MB/s, medians 298 -> 275. At SCHED_IDLE priority the
+four lost less, but the thread could then be starved while holding a decoder
+the FUSE thread needs. In-process readers (the Python API) compete with it for
+the GIL (-6%): off there. ``CDMLFS_PREFETCH=0`` turns it off, ``=1`` on for
+every reader (A/B runs).
 
 The scan views (:class:`RawScanView`, :class:`ZstdScanView`) are forward-only
 readers used once, to build the tar index. The zstd one decodes frame by frame
@@ -57,13 +68,7 @@ DEFAULT_WHOLE_MAX = 16 << 20
 DEFAULT_PIECE = 4 << 20
 MAX_CURSORS = 4  # forward decoders kept alive (each holds a window of up to 128 MiB... usually 2-8 MiB)
 SCAN_CHUNK = 1 << 20
-# Extents decoded ahead of a sequential reader (each reserved in the cache). Off unless
-# CDMLFS_PREFETCH=1. It pays when a core is idle: one reader of a single-frame archive through the
-# mount 172-192 -> 245-335 MB/s; four readers lost 9-11%. Not the default, for what a review found
-# (2026-11-30): a reader waiting for the decoder the prefetch holds can find it moved past its
-# piece before the piece is cached, and restart the frame from byte 0; at idle priority the thread
-# can be starved while holding the decoder; on packed archives it bypasses the early-member path.
-PREFETCH_DEPTH = int(os.environ.get("CDMLFS_PREFETCH", "0"))
+PREFETCH_ENV = os.environ.get("CDMLFS_PREFETCH", "")  # "0": never decode ahead, "1": always (A/B runs)
 MAX_STREAM = 1 << 62
 SCRATCH_MAX = 8 << 20  # frames compressed to more than this are read into fresh buffers
 MAX_WINDOW = 1 << zstdframes.MAX_WINDOW_LOG  # larger windows need --long archives
@@ -266,6 +271,7 @@ class ZstdStream:
         self.frame_decodes = 0  # whole frames decoded (for stats and tests)
         self.restarts = 0  # forward decoders started at a frame's beginning
         self.prefetched = 0  # extents decoded ahead of the reader
+        self.decode_ahead = PREFETCH_ENV == "1"  # see warm_up
 
     def _in_this_process(self) -> None:
         """Start afresh if this is a forked child (see ``_reset_process_state``)."""
@@ -279,7 +285,7 @@ class ZstdStream:
         self._cursors: OrderedDict[tuple[int, int], _Cursor] = OrderedDict()  # (frame, serial)
         self._cursor_serial = 0
         self._lock = threading.Lock()
-        self._queue: queue.Queue[Hashable] = queue.Queue(maxsize=max(1, PREFETCH_DEPTH))
+        self._queue: queue.Queue[Hashable] = queue.Queue(maxsize=1)  # one extent ahead
         self._worker: threading.Thread | None = None
         self._seen: Hashable | None = None
         self._frames = self._new_frame_worker()
@@ -345,7 +351,7 @@ class ZstdStream:
                     out.append((("zp", i, k, piece), start + k * piece, min(piece, length - k * piece)))
                     k += 1
             i += 1
-        if self._cache is not None and out and PREFETCH_DEPTH:
+        if self._cache is not None and out and self.decode_ahead:
             self._note_position(out[-1][0])
         return out
 
@@ -365,11 +371,15 @@ class ZstdStream:
         if prev is None or self._next_key(prev) != key:
             return
         nxt = self._next_key(key)
-        if nxt is None or self._cache.peek(nxt) is not None:  # type: ignore[union-attr]
+        # Pieces of large frames only: whole frames (packed archives) have the frame worker's
+        # early members, which decoding them ahead would bypass (and decode twice).
+        if nxt is None or nxt[0] != "zp" or self._cache.peek(nxt) is not None:  # type: ignore[index,union-attr]
             return
         self._in_this_process()
         if self._worker is None:
-            self._worker = threading.Thread(target=self._prefetch_loop, name="cdmlfs-prefetch", daemon=True)
+            self._worker = threading.Thread(
+                target=self._prefetch_loop, name="cdmlfs-decode-ahead", daemon=True
+            )
             self._worker.start()
         with contextlib.suppress(queue.Full):
             self._queue.put_nowait(nxt)
@@ -404,19 +414,17 @@ class ZstdStream:
         cache = self._cache
         if cache is None or cache.peek(key) is not None:
             return
-        length = self._extent_length(key)
-        with cache.reserve(length) as room:  # reserve before any decoder lock: never wait holding one
-            if cache.peek(key) is not None:
-                return
-            if key[0] == "zf":  # type: ignore[index]
-                data = self._decode_frame(key[1])  # type: ignore[index]
-            else:
-                _, i, k, piece = key  # type: ignore[misc]
-                data = self._decode_piece(i, k, piece, prefetching=True, room=room)
-            if data is not None and len(data) == length:
-                if room.remaining:  # a whole frame (a piece was committed under its decoder's lock)
-                    room.commit(key, data)
-                self.prefetched += 1
+        # Room now or not at all: a prefetch never waits for room, nor takes it from a reader
+        # that waits (and it holds the room before any decoder lock).
+        room = cache.hold(self._extent_length(key), wait=False)
+        if room is None:
+            return
+        try:
+            _, i, k, piece = key  # type: ignore[misc]
+            if self._decode_piece(i, k, piece, prefetching=True, room=room) is not None:
+                self.prefetched += 1  # committed under the decoder's lock
+        finally:
+            room.release()
 
     def verified_extent(self, key: Hashable) -> bool:
         """A whole frame was decoded to its end (its checksum checked when it has one); a piece
@@ -506,9 +514,12 @@ class ZstdStream:
             out.update(self._frames.stats())
         return out
 
-    def warm_up(self) -> None:
-        """Have the frame worker's spare buffers faulted in before the first reads need them."""
+    def warm_up(self, decode_ahead: bool = False) -> None:
+        """Have the frame worker's spare buffers faulted in before the first reads need them, and
+        with ``decode_ahead`` decode ahead of readers moving in archive order (module docstring)."""
         self._in_this_process()
+        if decode_ahead and PREFETCH_ENV != "0":
+            self.decode_ahead = True
         if self._frames is not None:
             self._frames.prefill()
 
