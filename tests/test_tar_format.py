@@ -19,7 +19,7 @@ from archives import text_bytes
 from test_tar_support import cdmlfs_pack, gnu_tar
 
 from cdmlfs.archive import Archive
-from cdmlfs.errors import ArchiveFormatError, CorruptMemberError
+from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, SourceError
 from cdmlfs.formats import SNIFF_BYTES, TAIL_BYTES
 from cdmlfs.formats.tar import scan_tar
 from cdmlfs.formats.tarheader import build_header, parse_header, parse_pax, pax_record
@@ -376,9 +376,12 @@ def test_a_reader_waiting_for_a_decoder_takes_the_piece_it_decoded(
         for k in (0, 1):  # the decoder now stands at the start of piece 2
             assert ar.read(in_piece[k][0]) == members[in_piece[k][0]]
 
+        decoding = threading.Event()
+
         def slow_for_first(fn):
             def wrapped(*args):
                 if threading.current_thread().name == "first":
+                    decoding.set()
                     time.sleep(0.2)
                 return fn(*args)
 
@@ -389,12 +392,51 @@ def test_a_reader_waiting_for_a_decoder_takes_the_piece_it_decoded(
         got: list[bytes] = []
         first = threading.Thread(target=lambda: got.append(ar.read(in_piece[2][0])), name="first")
         first.start()
-        time.sleep(0.05)  # the first reader holds the decoder, decoding piece 2
+        assert decoding.wait(10)  # the first reader holds the decoder, decoding piece 2
         before = stream.restarts
         assert ar.read(in_piece[2][1]) == members[in_piece[2][1]]
         first.join()
         assert got == [members[in_piece[2][0]]]
         assert stream.restarts == before
+
+
+def test_a_read_that_fails_mid_piece_does_not_shift_later_pieces(tmp_path: Path) -> None:
+    """A source error (S3 timeout, EIO) inside a piece left the forward decoder past where it said
+    it stood: every later piece from it came out shifted, wrong bytes without an error."""
+    members = {f"f{i:02d}": os.urandom(256 << 10) for i in range(48)}  # incompressible: many reads
+    with io.BytesIO() as buf:
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tf:
+            for name, data in members.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+        archive = tmp_path / "one.tar.zst"
+        archive.write_bytes(zstandard.ZstdCompressor(level=1).compress(buf.getvalue()))
+
+    class FailsOnce(CountingSource):
+        armed = False
+
+        def read_at(self, offset: int, length: int) -> bytes:
+            if self.armed and length > 4096:  # compressed data, not a header
+                self.armed = False
+                raise SourceError("read failed (injected)")
+            return super().read_at(offset, length)
+
+    source = FailsOnce(archive)
+    with Archive(source, cache_size=4 << 20, index_dir=str(tmp_path / "idx")) as ar:
+        stream, ix = ar.format.stream, ar.index
+        piece = stream.piece
+        in_piece: dict[int, list[str]] = {}
+        for name in ar.archive_order():
+            eid = ix.lookup(name)
+            if ix.offset[eid] // piece == (ix.offset[eid] + ix.size[eid] - 1) // piece:
+                in_piece.setdefault(ix.offset[eid] // piece, []).append(name)
+        assert ar.read(in_piece[0][0]) == members[in_piece[0][0]]
+        source.armed = True
+        with pytest.raises(SourceError):
+            ar.read(in_piece[1][0])
+        for k in (1, 2, 3):
+            assert ar.read(in_piece[k][0]) == members[in_piece[k][0]], k
 
 
 def test_reads_a_little_out_of_order_in_a_large_frame_make_one_pass(tmp_path: Path) -> None:

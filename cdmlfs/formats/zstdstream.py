@@ -414,8 +414,8 @@ class ZstdStream:
         cache = self._cache
         if cache is None or cache.peek(key) is not None:
             return
-        # Room now or not at all: a prefetch never waits for room, nor takes it from a reader
-        # that waits (and it holds the room before any decoder lock).
+        # Room now or not at all: a prefetch never waits for room (it may take room a reader then
+        # waits for, for one piece's decode), and it holds the room before any decoder lock.
         room = cache.hold(self._extent_length(key), wait=False)
         if room is None:
             return
@@ -600,24 +600,37 @@ class ZstdStream:
             return cur
 
     @contextlib.contextmanager
-    def _locked_cursor(self, i: int, target: int, key: Hashable):
-        """``_cursor`` under its lock; chosen again when another reader moved it past ``target``
-        while we waited (continuing there would restart it and undo that reader's progress).
-        None when that reader decoded the piece ``key`` we wait for: it is in the cache (pieces
-        are committed before their decoder's lock is let go), no decoder is needed."""
+    def _locked_cursor(self, i: int, target: int, key: Hashable, create: bool = True):
+        """``_cursor`` under its lock, as ``(decoder, None)``; chosen again when another reader moved
+        it past ``target`` while we waited (continuing there would restart it and undo that
+        reader's progress). ``(None, piece)`` when that reader decoded the piece ``key`` we wait
+        for: it is in the cache (pieces are committed before their decoder's lock is let go).
+        Without ``create`` (decoding ahead), only an existing decoder at or before ``target`` is
+        taken: ``(None, None)`` when there is none (a new one could push out a live one)."""
         for _ in range(3):
-            cur = self._cursor(i, target)
+            if create:
+                cur = self._cursor(i, target)
+            else:
+                with self._lock:
+                    cur = self._nearest_cursor(i, target)
+                if cur is None:
+                    yield None, None
+                    return
             cur.lock.acquire()
             if cur.reader is None or cur.pos <= target:
                 break
             cur.lock.release()
-            if self._cache is not None and self._cache.peek(key) is not None:
-                yield None
+            done = self._cache.peek(key) if self._cache is not None else None
+            if done is not None:
+                yield None, done
                 return
         else:
+            if not create:
+                yield None, None
+                return
             cur.lock.acquire()  # still passed: it restarts
         try:
-            yield cur
+            yield cur, None
         finally:
             cur.lock.release()
 
@@ -656,14 +669,15 @@ class ZstdStream:
             if done is not None:
                 return None if prefetching else done
         key = ("zp", i, k, piece)
-        with self._locked_cursor(i, target, key) as cur:
+        with self._locked_cursor(i, target, key, create=not prefetching) as (cur, done):
+            if cur is None:  # the piece is cached now (or, decoding ahead, no decoder to continue)
+                return None if prefetching else done
             if self._cache is not None:
                 done = self._cache.peek(key)
                 if done is not None:  # decoded ahead while we waited for the decoder
                     return None if prefetching else done
-            assert cur is not None  # None only when the piece is cached
-            if prefetching and (cur.reader is None or cur.pos != target):
-                return None  # only ever continue a decoder exactly where it stands
+            if prefetching and (cur.reader is None or cur.pos > target):
+                return None  # decoding ahead only ever continues a decoder, forward
             try:
                 if cur.reader is None or cur.pos > target:
                     if cur.reader is not None:
@@ -687,7 +701,9 @@ class ZstdStream:
             except zstandard.ZstdError as exc:
                 cur.reader = None
                 raise _zstd_error(exc, where) from None
-            except CorruptMemberError:
+            except BaseException:
+                # A read that failed mid-piece (S3 timeout, EIO) left the decoder past cur.pos:
+                # continuing it would serve every later piece shifted. It restarts instead.
                 cur.reader = None
                 raise
         return data
