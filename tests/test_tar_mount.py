@@ -327,5 +327,5 @@ def test_a_walk_in_listing_order_is_one_pass_over_a_single_frame(tmp_path: Path,
         decoder = mount_stats(mnt)["decoder"]
         assert decoder["forward_restarts"] == 1, decoder
         # The daemon decodes the next piece ahead of a reader in archive order (one reader:
-        # 151-178 -> 264-293 MB/s in the module's notes), and that restarts nothing.
+        # 91-178 -> 215-293 MB/s in the module's notes), and that restarts nothing.
         assert decoder["prefetched"] > 0, decoder

@@ -24,9 +24,9 @@ random reads never trigger it, and whole frames (packed archives) have the frame
 worker instead. A piece is committed before its decoder's lock is let go, so a
 reader waiting for that decoder finds the piece and never restarts the frame.
 Measured on the 2-core reference VM, a single-frame archive read in archive
-order through the mount, alternating rounds: one reader (it and the daemon take
-turns, a core sits idle) 151-178 -> 264-293 MB/s; four readers (both cores
-busy) 269-326 -> 273-302 MB/s, medians 298 -> 275. At SCHED_IDLE priority the
+order through the mount, alternating rounds, two runs: one reader (it and the
+daemon take turns, a core sits idle) 91-178 -> 215-293 MB/s; four readers (both
+cores busy) 216-326 -> 245-302 MB/s, medians 298 -> 275 and 269 -> 259. At SCHED_IDLE priority the
 four lost less, but the thread could then be starved while holding a decoder
 the FUSE thread needs. In-process readers (the Python API) compete with it for
 the GIL (-6%): off there. ``CDMLFS_PREFETCH=0`` turns it off, ``=1`` on for
