@@ -70,6 +70,28 @@ def many_files(tmp_path: Path) -> Path:
     return src
 
 
+def _tar_bytes(members: dict[str, bytes]) -> bytes:
+    """A GNU tar of ``members`` (name -> bytes), in memory."""
+    with io.BytesIO() as buf:
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tf:
+            for name, data in members.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+        return buf.getvalue()
+
+
+def _members_by_piece(ar: Archive) -> dict[int, list[str]]:
+    """Members lying inside one piece of a large frame, by piece number, in archive order."""
+    ix, piece = ar.index, ar.format.stream.piece
+    out: dict[int, list[str]] = {}
+    for name in ar.archive_order():
+        eid = ix.lookup(name)
+        if ix.offset[eid] // piece == (ix.offset[eid] + ix.size[eid] - 1) // piece:
+            out.setdefault(ix.offset[eid] // piece, []).append(name)
+    return out
+
+
 def _single_frame(tmp_path: Path, src: Path) -> Path:
     return gnu_tar(tmp_path / "single.tar.zst", src, "gnu", ["zstd", "-q", "-c"])
 
@@ -119,14 +141,7 @@ def test_scan_memory_stays_bounded_when_it_skips_the_rest_of_a_frame(tmp_path: P
     every byte it passed (the bytes not yet handed to the decoder were held across refills)."""
     import tracemalloc
 
-    big = os.urandom(32 << 20)
-    with io.BytesIO() as buf:
-        with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tf:
-            for name, data in (("a.txt", b"a"), ("big.bin", big), ("z.txt", b"z")):
-                info = tarfile.TarInfo(name)
-                info.size = len(data)
-                tf.addfile(info, io.BytesIO(data))
-        plain = buf.getvalue()
+    plain = _tar_bytes({"a.txt": b"a", "big.bin": os.urandom(32 << 20), "z.txt": b"z"})
     cut = len(plain) // 2
     cctx = zstandard.ZstdCompressor(level=1, write_content_size=True)
     archive = tmp_path / "two.tar.zst"
@@ -356,23 +371,12 @@ def test_a_reader_waiting_for_a_decoder_takes_the_piece_it_decoded(
     from cdmlfs.formats import zstdstream
 
     members = {f"f{i:02d}": (os.urandom(1024) * 256)[: 256 << 10] for i in range(48)}
-    with io.BytesIO() as buf:
-        with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tf:
-            for name, data in members.items():
-                info = tarfile.TarInfo(name)
-                info.size = len(data)
-                tf.addfile(info, io.BytesIO(data))
-        archive = tmp_path / "one.tar.zst"
-        archive.write_bytes(zstandard.ZstdCompressor(level=1).compress(buf.getvalue()))
+    archive = tmp_path / "one.tar.zst"
+    archive.write_bytes(zstandard.ZstdCompressor(level=1).compress(_tar_bytes(members)))
     with Archive(str(archive), cache_size=4 << 20, index_dir=str(tmp_path / "idx")) as ar:
-        stream, ix = ar.format.stream, ar.index
-        piece = stream.piece
-        assert stream.frames.dec_size[0] > 3 * piece
-        in_piece: dict[int, list[str]] = {}
-        for name in ar.archive_order():
-            eid = ix.lookup(name)
-            if ix.offset[eid] // piece == (ix.offset[eid] + ix.size[eid] - 1) // piece:
-                in_piece.setdefault(ix.offset[eid] // piece, []).append(name)
+        stream = ar.format.stream
+        assert stream.frames.dec_size[0] > 3 * stream.piece
+        in_piece = _members_by_piece(ar)
         for k in (0, 1):  # the decoder now stands at the start of piece 2
             assert ar.read(in_piece[k][0]) == members[in_piece[k][0]]
 
@@ -404,14 +408,8 @@ def test_a_read_that_fails_mid_piece_does_not_shift_later_pieces(tmp_path: Path)
     """A source error (S3 timeout, EIO) inside a piece left the forward decoder past where it said
     it stood: every later piece from it came out shifted, wrong bytes without an error."""
     members = {f"f{i:02d}": os.urandom(256 << 10) for i in range(48)}  # incompressible: many reads
-    with io.BytesIO() as buf:
-        with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tf:
-            for name, data in members.items():
-                info = tarfile.TarInfo(name)
-                info.size = len(data)
-                tf.addfile(info, io.BytesIO(data))
-        archive = tmp_path / "one.tar.zst"
-        archive.write_bytes(zstandard.ZstdCompressor(level=1).compress(buf.getvalue()))
+    archive = tmp_path / "one.tar.zst"
+    archive.write_bytes(zstandard.ZstdCompressor(level=1).compress(_tar_bytes(members)))
 
     class FailsOnce(CountingSource):
         armed = False
@@ -424,13 +422,7 @@ def test_a_read_that_fails_mid_piece_does_not_shift_later_pieces(tmp_path: Path)
 
     source = FailsOnce(archive)
     with Archive(source, cache_size=4 << 20, index_dir=str(tmp_path / "idx")) as ar:
-        stream, ix = ar.format.stream, ar.index
-        piece = stream.piece
-        in_piece: dict[int, list[str]] = {}
-        for name in ar.archive_order():
-            eid = ix.lookup(name)
-            if ix.offset[eid] // piece == (ix.offset[eid] + ix.size[eid] - 1) // piece:
-                in_piece.setdefault(ix.offset[eid] // piece, []).append(name)
+        in_piece = _members_by_piece(ar)
         assert ar.read(in_piece[0][0]) == members[in_piece[0][0]]
         source.armed = True
         with pytest.raises(SourceError):
