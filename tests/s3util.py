@@ -248,6 +248,24 @@ class FaultProxy:
         with self._lock:
             self.stats = ProxyStats()
 
+    def wait_idle(self, quiet: float = 0.2, timeout: float = 10.0) -> None:
+        """Return once no ranged GET has been under way for ``quiet`` seconds: a closed source's
+        prefetches still running would otherwise count toward what the test measures next."""
+        deadline = time.monotonic() + timeout
+        idle_since = None
+        while time.monotonic() < deadline:
+            with self._lock:
+                busy = self._in_flight > 0
+            now = time.monotonic()
+            if busy:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = now
+            elif now - idle_since >= quiet:
+                return
+            time.sleep(0.01)
+        raise AssertionError("the S3 proxy stayed busy")
+
     def _next_fault(self, method: str, headers) -> str | None:
         if method != "GET" or "Range" not in headers:
             return None
