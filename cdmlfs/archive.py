@@ -107,9 +107,10 @@ class Archive:
 
         The daemon calls it once it serves; a long-lived Python user may too.
         Call it in the process that will read (threads do not survive a fork).
-        ``decode_ahead``: a tar.zst reader moving in archive order gets the next
-        extent decoded on an idle core; it pays when the readers are other
-        processes (the daemon's case), not threads of this one (they share the GIL).
+        ``decode_ahead``: a reader moving through a large zstd frame in archive
+        order gets the next piece decoded by a background thread; it pays when a
+        core is idle and the readers are other processes (the daemon's case), not
+        threads of this one (they share the GIL).
         """
         warm = getattr(getattr(self.format, "stream", None), "warm_up", None)
         if warm is not None:
