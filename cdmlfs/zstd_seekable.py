@@ -209,7 +209,7 @@ class FrameWalker:
             raise RuntimeError("no zstd frame to read")
         return _FrameBytes(self, self._frame, self._frame + self.header.header_size)
 
-    def read_frame(self, pos: int, n: int, passed: int) -> tuple[bytes, int]:
+    def read_frame(self, pos: int, n: int, passed: int) -> tuple[bytes | memoryview, int]:
         """Up to ``n`` bytes of the current frame at ``pos``, passing blocks as needed.
 
         ``passed``: the end of what is known to belong to the frame so far (the
@@ -264,7 +264,7 @@ class _FrameBytes:
         self._pos = start  # next byte to hand out
         self._passed = header_end  # bytes before this are known to belong to the frame
 
-    def read(self, n: int = -1) -> bytes:
+    def read(self, n: int = -1) -> bytes | memoryview:
         data, self._passed = self._walker.read_frame(self._pos, n if n >= 0 else 1 << 62, self._passed)
         self._pos += len(data)
         return data

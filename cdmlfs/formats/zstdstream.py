@@ -396,10 +396,8 @@ class ZstdStream:
             i = key[1]  # type: ignore[index]
         return self._first_key(i + 1) if i + 1 < len(self.frames) else None
 
-    def _extent_length(self, key: Hashable) -> int:
-        if key[0] == "zf":  # type: ignore[index]
-            return self.frames.dec_size[key[1]]  # type: ignore[index]
-        _, i, k, piece = key  # type: ignore[misc]
+    def _piece_length(self, i: int, k: int, piece: int) -> int:
+        """Bytes in piece ``k`` of frame ``i`` (the last piece of a frame may be short)."""
         return min(piece, self.frames.dec_size[i] - k * piece)
 
     def _prefetch_loop(self) -> None:
@@ -416,11 +414,11 @@ class ZstdStream:
             return
         # Room now or not at all: a prefetch never waits for room (it may take room a reader then
         # waits for, for one piece's decode), and it holds the room before any decoder lock.
-        room = cache.hold(self._extent_length(key), wait=False)
+        _, i, k, piece = key  # type: ignore[misc]
+        room = cache.hold(self._piece_length(i, k, piece), wait=False)
         if room is None:
             return
         try:
-            _, i, k, piece = key  # type: ignore[misc]
             if self._decode_piece(i, k, piece, prefetching=True, room=room) is not None:
                 self.prefetched += 1  # committed under the decoder's lock
         finally:
@@ -663,7 +661,7 @@ class ZstdStream:
         where = f"zstd frame #{i} at offset {fr.comp_offset[i]}"
         frame_size = fr.dec_size[i]
         target = k * piece
-        length = min(piece, frame_size - target)
+        length = self._piece_length(i, k, piece)
         if self._cache is not None:  # decoded meanwhile by another reader: no decoder to choose
             done = self._cache.peek(("zp", i, k, piece))
             if done is not None:
