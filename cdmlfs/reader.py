@@ -666,7 +666,10 @@ class ExtentReader:
                     chunk = stream.decode(key, room)
                     if len(chunk) != length:
                         raise CorruptMemberError(f"extent decoded to {len(chunk)} bytes instead of {length}")
-                    if room.remaining:  # not committed by the stream already
+                    # Not when the stream committed it already, or handed back what the cache
+                    # holds (a piece another reader decoded while we waited): storing the same
+                    # value again would drop it from the C path and count its bytes twice.
+                    if room.remaining and self.cache.peek(key) is not chunk:
                         room.commit(key, chunk)
             lo = max(offset - start, 0)
             hi = min(end - start, length)

@@ -398,10 +398,12 @@ def test_a_reader_waiting_for_a_decoder_takes_the_piece_it_decoded(
         first.start()
         assert decoding.wait(10)  # the first reader holds the decoder, decoding piece 2
         before = stream.restarts
+        inserted = ar.cache.stats.inserted_bytes
         assert ar.read(in_piece[2][1]) == members[in_piece[2][1]]
         first.join()
         assert got == [members[in_piece[2][0]]]
         assert stream.restarts == before
+        assert ar.cache.stats.inserted_bytes - inserted == stream.piece  # stored once, not by the waiter too
 
 
 def test_a_read_that_fails_mid_piece_does_not_shift_later_pieces(tmp_path: Path) -> None:
