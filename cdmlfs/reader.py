@@ -170,9 +170,16 @@ class ExtentReader:
         return self._closed
 
     def close(self) -> None:
-        """Refuse every later read: the source's descriptor number may already belong to another file."""
+        """Refuse every later read: the source's descriptor number may already belong to another file.
+
+        The container stream's background threads (zstd frames finished, pieces
+        decoded ahead) stop here too, before the caller closes the source.
+        """
         self._closed = True
         self._fd = None
+        close = getattr(self.stream, "close", None)
+        if close is not None:
+            close()
 
     def _check(self, offset: int) -> None:
         if self._closed:

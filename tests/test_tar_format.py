@@ -358,6 +358,9 @@ def test_sequential_reads_decode_the_next_extent_ahead_within_the_cache_bound(
         assert ar.read(by_piece[2]) == (many_files / by_piece[2]).read_bytes()
         assert stream.restarts == before
         assert ar.cache.held + ar.cache.reserved <= 1 << 20
+        worker = stream._worker
+    # Closing stops the thread (it reads through the archive's descriptor, which closing frees).
+    assert worker is not None and not worker.is_alive()
 
 
 def test_a_reader_waiting_for_a_decoder_takes_the_piece_it_decoded(

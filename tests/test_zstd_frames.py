@@ -9,6 +9,7 @@ python-zstandard), the real cache and a real FUSE mount.
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import random
@@ -236,6 +237,30 @@ def test_decoding_ahead_leaves_packed_frames_to_the_early_member_path(
         assert stream.prefetched == 0
         large = sum(1 for n in stream.frames.dec_size if n >= zstdframes.MIN_FRAME)  # smaller: decoded whole
         assert stream._frames is not None and stream._frames.early_frames == large > 1
+
+
+def test_close_stops_the_worker_before_the_file_closes(
+    packed: Path, src: Path, tmp_path: Path, decoder: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Frames still being finished when the archive closed were read on through its closed
+    descriptor (a number the process may give to another file): the thread ran forever and
+    logged EBADF, and what it finished went into the cleared cache."""
+    ar = Archive(str(packed), index_dir=str(tmp_path / "idx"))
+    worker = ar.format.stream._frames
+    assert worker is not None
+    ar.warm_up()  # spares, each holding a reservation
+    fr = ar.format.stream.frames
+    firsts = [_members_of_frame(ar, i)[0] for i in range(len(fr)) if fr.dec_size[i] >= zstdframes.MIN_FRAME]
+    assert len(firsts) >= zstdframes.MAX_PARTIAL
+    for path in firsts:  # each first read leaves its frame to the background thread
+        assert ar.read(path) == (src / path).read_bytes()
+    ar.close()
+    thread = worker._thread
+    assert thread is not None and not thread.is_alive()
+    stats = worker.stats()
+    assert stats["frames_in_flight"] == stats["spares_ready"] == 0
+    assert ar.cache.held == ar.cache.reserved == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def test_forked_child_reads_with_its_own_worker(packed: Path, src: Path, tmp_path: Path) -> None:

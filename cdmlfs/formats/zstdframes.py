@@ -60,6 +60,7 @@ MAX_PARTIAL = 4  # frames being finished at once
 MAX_SPARES = 8  # pre-faulted buffers kept ready
 INPUT_CHUNK = 64 << 10  # compressed bytes per source read when there is no file descriptor (S3)
 MAX_WINDOW_LOG = 27  # same default limit as the zstd CLI (zstdstream uses it too)
+CLOSE_WAIT = 5.0  # seconds close() waits for a step in progress (a local step takes about a millisecond)
 ENABLED = os.environ.get("CDMLFS_FRAME_WORKER", "1") != "0"  # 0: whole decodes only (for A/B runs)
 NATIVE = NativeFrameDecoder is not None and os.environ.get("CDMLFS_NATIVE", "1") != "0"
 
@@ -250,6 +251,22 @@ class PartialFrame:
         if self._room is not None:
             self._room.release()
 
+    def shut(self, why: SourceError, wait: float) -> bool:
+        """Abandon the frame for good once no reader decodes into it (later reads raise ``why``).
+
+        False when a reader kept the lock past ``wait`` seconds: it then meets the
+        closed flag of its own worker, and the frame is left to it.
+        """
+        if not self.lock.acquire(timeout=wait):
+            return False
+        try:
+            if self.failed is None:
+                self.failed = why
+            self.abandon()
+        finally:
+            self.lock.release()
+        return True
+
 
 class FrameWorker:
     """Per zstd stream: frame decodes into mappings, the frames finished in the background, the spare.
@@ -280,6 +297,7 @@ class FrameWorker:
         self.max_spares = max(1, min(MAX_SPARES, cache.limit // (16 * spare_size)))
         self._decoders: list = []
         self._thread: threading.Thread | None = None
+        self._closed = False
         self.early_frames = 0  # frames whose first reader was answered before the frame was finished
         self.spares_used = 0
 
@@ -291,6 +309,34 @@ class FrameWorker:
                 "spares_ready": len(self._spares),
                 "spares_used": self.spares_used,
             }
+
+    def close(self) -> None:
+        """Stop the background thread and give back what the worker holds, before the file closes.
+
+        Why wait for the thread: it reads the archive through its file
+        descriptor, whose number the process may hand to another file once the
+        archive is closed. The step it is in ends within about a millisecond
+        (at most ``CLOSE_WAIT``); frames still in flight are abandoned, never
+        cached, and the spares go back with their reservations.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        self._queue.put(None)  # wakes the thread if it waits for work
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(CLOSE_WAIT)
+        with self._lock:
+            partial = list(self._partial.values())
+            self._partial.clear()
+            spares, self._spares = self._spares, []
+            self._decoders.clear()
+        for p in partial:
+            p.shut(_closed_error(p.where), wait=CLOSE_WAIT)
+        for buf, room in spares:
+            buf.close()
+            room.release()
 
     # -- decoders ------------------------------------------------------------
     def native_decoder(self):
@@ -347,7 +393,7 @@ class FrameWorker:
 
     def _make_spares(self) -> None:
         """Fill the spare pool while nothing else is queued (each spare is reserved in the cache)."""
-        while len(self._spares) < self.max_spares and self._queue.empty():
+        while len(self._spares) < self.max_spares and self._queue.empty() and not self._closed:
             room = self.cache.hold(self.spare_size, wait=False)
             if room is None:
                 return  # the cache is busy with decodes: no room for a spare now
@@ -357,6 +403,10 @@ class FrameWorker:
                 room.release()
                 return
             with self._lock:
+                if self._closed:  # close() already gave the others back
+                    buf.close()
+                    room.release()
+                    return
                 self._spares.append((buf, room))
 
     # -- partial frames -------------------------------------------------------
@@ -364,11 +414,11 @@ class FrameWorker:
         """Frame ``i`` being decoded (started now if it is neither cached nor in flight), or None.
 
         None means: serve it the ordinary way (it is cached, or there is no
-        room for another frame in flight right now).
+        room for another frame in flight right now, or the worker is closed).
         """
         with self._lock:
             p = self._partial.get(i)
-            if p is not None:
+            if p is not None or self._closed:
                 return p
         if self.cache.peek(key) is not None:
             return None
@@ -377,7 +427,7 @@ class FrameWorker:
             return None
         with self._lock:
             p = self._partial.get(i)
-            if p is not None or len(self._partial) >= MAX_PARTIAL:
+            if p is not None or self._closed or len(self._partial) >= MAX_PARTIAL:
                 room.release()
                 return p
             p = self._partial[i] = PartialFrame(key, size)  # created locked: others wait for setup
@@ -419,7 +469,7 @@ class FrameWorker:
     def _start_thread(self) -> None:
         if self._thread is None:
             with self._lock:
-                if self._thread is None:
+                if self._thread is None and not self._closed:
                     self._thread = threading.Thread(target=self._loop, name="cdmlfs-frames", daemon=True)
                     self._thread.start()
 
@@ -434,18 +484,21 @@ class FrameWorker:
             self._queue.put(None)
 
     def _loop(self) -> None:
-        while True:
+        while not self._closed:
             p = self._queue.get()
-            if p is not None:
+            if p is not None and not self._closed:
                 self._finish(p)
-            if self._queue.empty():
+            if self._queue.empty() and not self._closed:
                 self._make_spares()
 
     def _finish(self, p: PartialFrame) -> None:
         i = p.key[1]  # type: ignore[index]
         try:
-            while not p.complete and p.failed is None:
+            while not p.complete and p.failed is None and not self._closed:
                 p.advance(min(p.size, p.done + FINISH_STEP))
+            if self._closed:
+                p.shut(_closed_error(p.where), wait=CLOSE_WAIT)
+                return
             if p.failed is not None:
                 raise p.failed
             p.commit()
@@ -458,3 +511,7 @@ class FrameWorker:
             p.abandon()
         finally:
             self._drop(i, p)
+
+
+def _closed_error(where: str) -> SourceError:
+    return SourceError(f"{where}: the archive was closed")

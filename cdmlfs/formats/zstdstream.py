@@ -272,6 +272,7 @@ class ZstdStream:
         self.restarts = 0  # forward decoders started at a frame's beginning
         self.prefetched = 0  # extents decoded ahead of the reader
         self.decode_ahead = PREFETCH_ENV == "1"  # see warm_up
+        self._closed = False
 
     def _in_this_process(self) -> None:
         """Start afresh if this is a forked child (see ``_reset_process_state``)."""
@@ -375,6 +376,8 @@ class ZstdStream:
         # early members, which decoding them ahead would bypass (and decode twice).
         if nxt is None or nxt[0] != "zp" or self._cache.peek(nxt) is not None:  # type: ignore[index,union-attr]
             return
+        if self._closed:
+            return
         self._in_this_process()
         if self._worker is None:
             self._worker = threading.Thread(
@@ -403,6 +406,8 @@ class ZstdStream:
     def _prefetch_loop(self) -> None:
         while True:
             key = self._queue.get()
+            if key is None or self._closed:
+                return
             try:
                 self._prefetch(key)
             except Exception as exc:  # the reader meets (and reports) the same error when it gets there
@@ -423,6 +428,25 @@ class ZstdStream:
                 self.prefetched += 1  # committed under the decoder's lock
         finally:
             room.release()
+
+    def close(self) -> None:
+        """Stop decoding ahead and the frame worker before the archive's file is closed.
+
+        Their threads read through the file descriptor, whose number the process
+        may give to another file once it is closed: the step in progress ends
+        (a piece or a frame step, milliseconds) and nothing starts after it.
+        """
+        self._closed = True
+        if self._pid != os.getpid():
+            return  # a forked child that never read: none of the parent's threads run here
+        worker = self._worker
+        if worker is not None:
+            with contextlib.suppress(queue.Full):  # full: the key it holds wakes the loop just as well
+                self._queue.put_nowait(None)
+            if worker is not threading.current_thread():
+                worker.join(zstdframes.CLOSE_WAIT)
+        if self._frames is not None:
+            self._frames.close()
 
     def verified_extent(self, key: Hashable) -> bool:
         """A whole frame was decoded to its end (its checksum checked when it has one); a piece
