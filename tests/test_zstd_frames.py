@@ -164,6 +164,70 @@ def test_member_is_served_before_its_frame_is_finished_then_the_frame_is_cached(
         assert peak[0] <= ar.cache.limit
 
 
+def test_archive_much_larger_than_the_cache_keeps_frames_partial(
+    packed: Path, src: Path, tmp_path: Path, decoder: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With an archive many times the cache, finishing every frame a reader touched doubled the
+    decoding of a shuffled epoch for frames the cache seldom kept until their next reader. Frames
+    stay partial instead: decoded only as far as readers ask, a few of them, least recently read
+    let go first, and cached once their readers reach the end (archive order stays one pass)."""
+    # The packed archive is ~6 MiB: "many times the cache" is scaled down to it.
+    monkeypatch.setattr(zstdframes, "FINISH_MAX_RATIO", 0.25)
+    with Archive(str(packed), cache_size=8 * MiB, index_dir=str(tmp_path / "idx")) as ar:
+        stream = ar.format.stream
+        worker = stream._frames
+        assert worker is not None and not worker.finish
+        fr = stream.frames
+        large = [i for i in range(len(fr)) if fr.dec_size[i] >= zstdframes.MIN_FRAME]
+        assert len(large) > zstdframes.MAX_PARTIAL + 1
+        i = large[1]
+        members = _members_of_frame(ar, i)
+        assert ar.read(members[0]) == (src / members[0]).read_bytes()
+        p = worker._partial[i]
+        time.sleep(0.2)  # time the background thread would have taken to finish the frame
+        assert 0 < p.done < p.size and ar.cache.peek(("zf", i)) is None
+        for path in members[1:]:  # its readers take it to its end: verified, then cached
+            assert ar.read(path) == (src / path).read_bytes()
+        assert bytes(ar.cache.peek(("zf", i))) == _frame_bytes(packed, ar, i)
+        assert i not in worker._partial and stream.frame_decodes == 0
+        # First reads of more frames than stay in flight: the least recently read are let go.
+        for j in large[2:]:
+            path = _members_of_frame(ar, j)[0]
+            assert ar.read(path) == (src / path).read_bytes()
+        assert worker.partial_evictions >= len(large[2:]) - zstdframes.MAX_PARTIAL
+        assert worker.stats()["frames_in_flight"] <= zstdframes.MAX_PARTIAL
+        evicted = large[2]
+        assert evicted not in worker._partial
+        path = _members_of_frame(ar, evicted)[-1]
+        assert ar.read(path) == (src / path).read_bytes()
+        # Shuffled, from 4 threads: same bytes, bound respected.
+        paths = ar.files()
+        random.Random(5).shuffle(paths)
+        errors: list[str] = []
+        peak = [0]
+
+        def read_some(part: list[str]) -> None:
+            for q in part:
+                if ar.read(q) != (src / q).read_bytes():
+                    errors.append(q)
+                peak[0] = max(peak[0], ar.cache.held + ar.cache.reserved)
+
+        threads = [threading.Thread(target=read_some, args=(paths[k::4],)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert peak[0] <= ar.cache.limit
+    # Archive order, afresh: every frame decoded once, by its readers.
+    with Archive(str(packed), cache_size=8 * MiB, index_dir=str(tmp_path / "idx")) as ar:
+        before = ar.source.bytes_read
+        for path in ar.archive_order():
+            assert ar.read(path) == (src / path).read_bytes()
+        assert ar.source.bytes_read - before <= packed.stat().st_size
+        assert ar.format.stream._frames.partial_evictions == 0
+
+
 def test_foreign_frames_without_member_crcs_decode_whole_into_buffers(
     src: Path, tmp_path: Path, decoder: str
 ) -> None:

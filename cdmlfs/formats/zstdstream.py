@@ -295,7 +295,8 @@ class ZstdStream:
         """The frame worker, once ``bound_extents`` chose to use one (``_spare_size``)."""
         if not self._spare_size or self._cache is None:
             return None
-        return zstdframes.FrameWorker(self._cache, self._spare_size, self.source, self._frame_span)
+        finish = zstdframes.finishes_in_background(self.total, self._cache.limit)
+        return zstdframes.FrameWorker(self._cache, self._spare_size, self.source, self._frame_span, finish)
 
     def bound_extents(self, whole_max: int, piece: int, cache: ExtentCache | None = None) -> None:
         """Called once by the reader: one decode must fit its cache budget.
@@ -549,7 +550,8 @@ class ZstdStream:
         """Decoded bytes ``[offset, offset + size)`` of the stream before their frame is finished.
 
         For a member whose own CRC the caller checks (packed archives): the
-        frame is decoded up to the member's end and finished in the background.
+        frame is decoded up to the member's end, then finished in the background
+        or kept partial for later readers (``zstdframes``: when finishing pays).
         None when that does not apply (frame cached, member across frames,
         no frame worker, too many frames in flight): use the extents.
         """
@@ -570,8 +572,10 @@ class ZstdStream:
             return None
         try:
             p.advance(lo + size)
+        except zstdframes.FrameEvicted:
+            return None  # let go meanwhile (another frame needed its place)
         finally:
-            frames.finish_later(p)
+            frames.after_read(i, p)
         return p.view[lo : lo + size]
 
     def _decode_frame(self, i: int) -> bytes | mmap.mmap:
