@@ -97,6 +97,28 @@ def _members_of_frame(ar: Archive, i: int) -> list[str]:
     return [p for p in ar.archive_order() if lo <= ix.offset[ix.lookup(p)] and ix.offset[ix.lookup(p)] < hi]
 
 
+def _read_shuffled_from_threads(ar: Archive, src: Path, seed: int) -> None:
+    """Every member, in a shuffled order, from 4 threads: same bytes, the cache bound respected."""
+    paths = ar.files()
+    random.Random(seed).shuffle(paths)
+    errors: list[str] = []
+    peak = [0]
+
+    def read_some(part: list[str]) -> None:
+        for p in part:
+            if ar.read(p) != (src / p).read_bytes():
+                errors.append(p)
+            peak[0] = max(peak[0], ar.cache.held + ar.cache.reserved)
+
+    threads = [threading.Thread(target=read_some, args=(paths[k::4],)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert peak[0] <= ar.cache.limit
+
+
 # -- the member table carries CRCs ---------------------------------------------------------------
 def test_packed_members_carry_crcs_and_old_tables_still_decode(
     packed: Path, src: Path, tmp_path: Path
@@ -143,25 +165,7 @@ def test_member_is_served_before_its_frame_is_finished_then_the_frame_is_cached(
         for path in members:
             assert ar.read(path) == (src / path).read_bytes()
         assert worker.early_frames == 1
-        # Everything, in a shuffled order, from 4 threads: same bytes, bound respected.
-        paths = ar.files()
-        random.Random(3).shuffle(paths)
-        errors: list[str] = []
-        peak = [0]
-
-        def read_some(part: list[str]) -> None:
-            for p in part:
-                if ar.read(p) != (src / p).read_bytes():
-                    errors.append(p)
-                peak[0] = max(peak[0], ar.cache.held + ar.cache.reserved)
-
-        threads = [threading.Thread(target=read_some, args=(paths[k::4],)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors
-        assert peak[0] <= ar.cache.limit
+        _read_shuffled_from_threads(ar, src, seed=3)
 
 
 def test_archive_much_larger_than_the_cache_keeps_frames_partial(
@@ -200,25 +204,7 @@ def test_archive_much_larger_than_the_cache_keeps_frames_partial(
         assert evicted not in worker._partial
         path = _members_of_frame(ar, evicted)[-1]
         assert ar.read(path) == (src / path).read_bytes()
-        # Shuffled, from 4 threads: same bytes, bound respected.
-        paths = ar.files()
-        random.Random(5).shuffle(paths)
-        errors: list[str] = []
-        peak = [0]
-
-        def read_some(part: list[str]) -> None:
-            for q in part:
-                if ar.read(q) != (src / q).read_bytes():
-                    errors.append(q)
-                peak[0] = max(peak[0], ar.cache.held + ar.cache.reserved)
-
-        threads = [threading.Thread(target=read_some, args=(paths[k::4],)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors
-        assert peak[0] <= ar.cache.limit
+        _read_shuffled_from_threads(ar, src, seed=5)
     # Archive order, afresh: every frame decoded once, by its readers.
     with Archive(str(packed), cache_size=8 * MiB, index_dir=str(tmp_path / "idx")) as ar:
         before = ar.source.bytes_read
