@@ -8,6 +8,7 @@ python-zstandard), the real cache and a real FUSE mount.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -24,10 +25,12 @@ import pytest
 import zstandard
 from inflateutil import english_like, native_module
 from mountutil import daemon_pid, is_mounted, mount_stats, mounted, run_cli
+from test_tar_format import CountingSource
 from test_tar_support import cdmlfs_pack
 
 from cdmlfs.archive import Archive
-from cdmlfs.errors import CorruptMemberError
+from cdmlfs.cache import ExtentCache
+from cdmlfs.errors import CorruptMemberError, SourceError
 from cdmlfs.formats import zstdframes
 from cdmlfs.formats.tarmembers import MemberTable, MemberTableError
 from cdmlfs.index import FILE, MEMBER_CRC
@@ -214,6 +217,75 @@ def test_archive_much_larger_than_the_cache_keeps_frames_partial(
         assert ar.format.stream._frames.partial_evictions == 0
 
 
+@contextlib.contextmanager
+def _reads_fail(fd: int, directory: Path):
+    """Reads through ``fd`` fail (EISDIR: it points at a directory) until the block ends."""
+    saved = os.dup(fd)
+    bad = os.open(directory, os.O_RDONLY)
+    os.dup2(bad, fd)
+    try:
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+        os.close(bad)
+
+
+def test_a_read_error_inside_a_partial_frame_leaves_it_to_a_fresh_decode(
+    packed: Path, src: Path, tmp_path: Path, decoder: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed read (EIO, an S3 timeout) while a reader decoded further into a frame kept partial
+    left the frame in flight with a decoder that refuses to go on: every later read of its
+    members failed, however healthy the archive."""
+    monkeypatch.setattr(zstdframes, "FINISH_MAX_RATIO", 0.25)
+    with Archive(str(packed), cache_size=8 * MiB, index_dir=str(tmp_path / "idx")) as ar:
+        worker = ar.format.stream._frames
+        assert worker is not None and not worker.finish
+        fr = ar.format.stream.frames
+        i = next(i for i in range(1, len(fr)) if fr.dec_size[i] >= zstdframes.MIN_FRAME)
+        members = _members_of_frame(ar, i)
+        assert ar.read(members[0]) == (src / members[0]).read_bytes()
+        with _reads_fail(ar.source.fileno(), tmp_path), pytest.raises(SourceError):
+            ar.read(members[-1])
+        for path in members:
+            assert ar.read(path) == (src / path).read_bytes()
+
+
+@pytest.mark.parametrize("finish", [True, False], ids=["finished", "kept-partial"])
+def test_a_frame_is_complete_only_once_its_checksum_is_checked(
+    tmp_path: Path, decoder: str, finish: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An input chunk can end inside a frame's 4-byte checksum right after its last byte comes
+    out: the frame counted as complete for a reader who asked for less, and was cached (and
+    served by the C path) unchecked."""
+    data = english_like(64 << 10, 1) * 16
+    comp = bytearray(zstandard.ZstdCompressor(level=3, write_checksum=True).compress(data))
+    comp[-1] ^= 0xFF
+    path = tmp_path / "frame.zst"
+    path.write_bytes(comp)
+    monkeypatch.setattr(zstdframes, "INPUT_CHUNK", len(comp) - 2)  # the first read stops in the checksum
+    source = CountingSource(path)  # no descriptor: compressed bytes come through read_at, a chunk at a time
+    cache = ExtentCache(64 * MiB)
+    span = zstdframes.FrameSpan("frame #0", 0, len(comp), len(data))
+    worker = zstdframes.FrameWorker(cache, len(data), source, lambda i: span, finish=finish)
+    try:
+        p = worker.partial(0, ("zf", 0), len(data))
+        assert p is not None
+        p.advance(1000)  # a member at the frame's start (far from its end)
+        assert bytes(p.view[:1000]) == data[:1000]  # its own CRC is the reader's to check
+        assert not p.complete
+        worker.after_read(0, p)
+        if finish:  # the background thread goes on to the end, and fails at the checksum
+            deadline = time.monotonic() + 10
+            while worker.stats()["frames_in_flight"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert worker.stats()["frames_in_flight"] == 0
+        assert cache.peek(("zf", 0)) is None
+    finally:
+        worker.close()
+        source.close()
+
+
 def test_foreign_frames_without_member_crcs_decode_whole_into_buffers(
     src: Path, tmp_path: Path, decoder: str
 ) -> None:
@@ -311,6 +383,41 @@ def test_close_stops_the_worker_before_the_file_closes(
     assert stats["frames_in_flight"] == stats["spares_ready"] == 0
     assert ar.cache.held == ar.cache.reserved == 0
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_close_that_gives_up_on_a_busy_reader_still_frees_its_frame(
+    packed: Path, src: Path, tmp_path: Path, decoder: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() waits only so long for a reader inside a frame's decode (an S3 read can stall):
+    that reader went on reading, and its frame's reservation was never given back."""
+    monkeypatch.setattr(zstdframes, "CLOSE_WAIT", 0.05)
+
+    class Slow(CountingSource):
+        def read_at(self, offset: int, length: int) -> bytes:
+            time.sleep(0.02)
+            return super().read_at(offset, length)
+
+    source = Slow(packed)
+    ar = Archive(source, index_dir=str(tmp_path / "idx"))
+    fr = ar.format.stream.frames
+    i = next(i for i in range(1, len(fr)) if fr.dec_size[i] >= zstdframes.MIN_FRAME)
+    last = _members_of_frame(ar, i)[-1]
+    failed: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            ar.read(last)
+        except BaseException as exc:
+            failed.append(exc)
+
+    t = threading.Thread(target=read)
+    t.start()
+    time.sleep(0.1)  # inside the frame's decode, 64 KiB of compressed bytes a read
+    ar.close()
+    t.join(10)
+    assert not t.is_alive()
+    assert len(failed) == 1 and isinstance(failed[0], SourceError), failed
+    assert ar.cache.reserved == 0
 
 
 def test_forked_child_reads_with_its_own_worker(packed: Path, src: Path, tmp_path: Path) -> None:

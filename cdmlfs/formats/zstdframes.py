@@ -145,12 +145,17 @@ class _NativeDecode(_Decode):
     def advance(self, upto: int) -> None:
         span, dec = self._span, self._dec
         try:
-            while dec.pos < upto or (upto == span.size and not dec.done):
+            # Once the last byte is out, on to the checksum even for a reader who asked for less:
+            # an input chunk can end inside it, and a frame is complete only when it was checked.
+            while dec.pos < upto or (max(upto, dec.pos) == span.size and not dec.done):
+                if self._worker.closed:  # close() gave up waiting for us: no read past it
+                    raise _closed_error(span.where)
                 left = span.length - self._used
                 if left <= 0:
                     raise CorruptMemberError(f"{span.where} ended after {dec.pos} of {span.size} bytes")
+                until = upto if dec.pos < upto else span.size
                 if self._fd is not None:
-                    used = dec.feed_fd(self._fd, span.offset + self._used, left, upto)
+                    used = dec.feed_fd(self._fd, span.offset + self._used, left, until)
                     if used <= 0:
                         raise CorruptMemberError(f"{span.where}: the decoder stopped at {dec.pos} bytes")
                     self._used += used
@@ -177,18 +182,20 @@ class _NativeDecode(_Decode):
 class _PyDecode(_Decode):
     """python-zstandard's stream reader (decodes via its own window buffer, then copies)."""
 
-    def __init__(self, span: FrameSpan, source: Source, buffer) -> None:
-
+    def __init__(self, span: FrameSpan, buffer, worker: FrameWorker) -> None:
         self._span = span
+        self._worker = worker
         self._view = memoryview(buffer)
         dctx = zstandard.ZstdDecompressor(max_window_size=1 << MAX_WINDOW_LOG)
-        raw = SourceRange(source, span.offset, span.length)
+        raw = SourceRange(worker.source, span.offset, span.length)
         self._reader = dctx.stream_reader(raw, read_size=INPUT_CHUNK, read_across_frames=False)
 
     def advance(self, upto: int) -> None:
         span = self._span
         try:
             while self.pos < upto:
+                if self._worker.closed:  # close() gave up waiting for us: no read past it
+                    raise _closed_error(span.where)
                 n = self._reader.readinto(self._view[self.pos : upto])
                 if n <= 0:
                     raise CorruptMemberError(f"{span.where} ended after {self.pos} of {span.size} bytes")
@@ -266,6 +273,14 @@ class PartialFrame:
                 if self.done < upto:
                     raise
                 return
+            except BaseException:
+                # A read error (the frame itself may be fine), or the archive closed: this decoder
+                # cannot go on (the native one refuses to after a failed read). Later readers
+                # decode the frame afresh.
+                self.done = self._dec.pos
+                self.evicted = True
+                self.abandon()
+                raise
             self.done = self._dec.pos
             if self.done == self.size:
                 self.complete = True
@@ -287,7 +302,7 @@ class PartialFrame:
         if not self.lock.acquire(blocking=False):
             return False
         try:
-            if self.complete or self.queued or self.failed is not None:
+            if self.complete or self.queued or self.failed is not None or self.evicted:
                 return False
             self.evicted = True
             self.abandon()
@@ -298,8 +313,8 @@ class PartialFrame:
     def shut(self, why: SourceError, wait: float) -> bool:
         """Abandon the frame for good once no reader decodes into it (later reads raise ``why``).
 
-        False when a reader kept the lock past ``wait`` seconds: it then meets the
-        closed flag of its own worker, and the frame is left to it.
+        False when a reader kept the lock past ``wait`` seconds: its decode stops
+        at its next step (the worker is closed) and ``after_read`` shuts the frame.
         """
         if not self.lock.acquire(timeout=wait):
             return False
@@ -349,6 +364,10 @@ class FrameWorker:
         self.early_frames = 0  # frames whose first reader was answered before the frame was finished
         self.spares_used = 0
         self.partial_evictions = 0  # partial frames let go to make room for another (no finishing)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -404,7 +423,7 @@ class FrameWorker:
     def _decode(self, span: FrameSpan, buffer) -> _Decode:
         if NATIVE:
             return _NativeDecode(span, buffer, self)
-        return _PyDecode(span, self.source, buffer)
+        return _PyDecode(span, buffer, self)
 
     def decode_whole(self, i: int) -> mmap.mmap:
         """Frame ``i`` decoded whole into a mapping (finishing it if it is in flight)."""
@@ -517,9 +536,12 @@ class FrameWorker:
     def after_read(self, i: int, p: PartialFrame) -> None:
         """A reader is done with partial frame ``i``: finish it in the background, or (kept
         partial) cache it once its readers decoded it to its end, or let it go once it failed."""
-        if self.finish:
+        if self._closed:  # close() may have given up on this frame while we decoded it
+            self._drop(i, p)
+            p.shut(_closed_error(p.where), wait=CLOSE_WAIT)
+        elif self.finish and not p.evicted:
             self.finish_later(p)
-        elif (p.complete or p.failed is not None) and self._drop(i, p) and p.complete:
+        elif (p.complete or p.failed is not None or p.evicted) and self._drop(i, p) and p.complete:
             p.commit()
 
     def _evict_one(self) -> None:
@@ -528,8 +550,7 @@ class FrameWorker:
             candidates = list(self._partial.items())
         for i, p in candidates:
             # Outside our lock: abandoning a frame gives its decoder back through give_back().
-            if p.try_evict():
-                self._drop(i, p)
+            if p.try_evict() and self._drop(i, p):
                 self.partial_evictions += 1
                 return
 
@@ -579,14 +600,15 @@ class FrameWorker:
     def _finish(self, p: PartialFrame) -> None:
         i = p.key[1]  # type: ignore[index]
         try:
-            while not p.complete and p.failed is None and not self._closed:
+            while not p.complete and p.failed is None and not p.evicted and not self._closed:
                 p.advance(min(p.size, p.done + FINISH_STEP))
             if self._closed:
                 p.shut(_closed_error(p.where), wait=CLOSE_WAIT)
                 return
             if p.failed is not None:
                 raise p.failed
-            p.commit()
+            if p.complete:
+                p.commit()
         except MemberError as exc:
             # Its members that were checked on their own were served; the rest get EIO from
             # their own reads (which report it). Nothing of this frame enters the cache.
