@@ -488,9 +488,11 @@ def test_raw_block_corruption_gives_eio_never_wrong_bytes(
 
 
 @pytest.mark.fuse
+@pytest.mark.parametrize("finish", ["auto", "0"], ids=["finished", "kept-partial"])
 def test_mount_serves_early_members_and_stats_show_it(
-    packed: Path, src: Path, tmp_path: Path, mnt: Path
+    packed: Path, src: Path, tmp_path: Path, mnt: Path, finish: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("CDMLFS_FINISH_FRAMES", finish)  # auto: the archive is far smaller than the cache
     with mounted(packed, mnt, "--index-dir", str(tmp_path / "idx")):
         paths = _source_paths(src)
         random.Random(2).shuffle(paths)
@@ -499,6 +501,7 @@ def test_mount_serves_early_members_and_stats_show_it(
         decoder = stats["decoder"]
         assert decoder["early_frames"] >= 1  # first reads of frames answered before the frame was done
         assert decoder["spares_used"] >= 1  # the daemon warmed spare buffers up after mounting
+        assert decoder["frames_finished_in_background"] == (finish == "auto")
         assert "decoder   early_frames" in run_cli("stats", str(mnt), check=True).stdout.decode()
 
 
