@@ -280,7 +280,9 @@ class PartialFrame:
                 self.done = self._dec.pos
                 self.evicted = True
                 self.abandon()
-                raise
+                if self.done < upto:  # else only the tail rule's extra step failed: serve this reader
+                    raise
+                return
             self.done = self._dec.pos
             if self.done == self.size:
                 self.complete = True
