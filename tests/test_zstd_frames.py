@@ -217,6 +217,41 @@ def test_archive_much_larger_than_the_cache_keeps_frames_partial(
         assert ar.format.stream._frames.partial_evictions == 0
 
 
+def test_a_frame_kept_partial_that_comes_back_soon_is_finished_and_cached(
+    packed: Path, src: Path, tmp_path: Path, decoder: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Frames stay partial in an archive many times the cache; but a frame started again within
+    fewer frame starts than the cache holds frames would have stayed cached (a validation split
+    packed together, read every epoch): it is finished and cached instead of decoded from its
+    start at every read."""
+    monkeypatch.setattr(zstdframes, "FINISH_MAX_RATIO", 0.25)
+    with Archive(str(packed), cache_size=8 * MiB, index_dir=str(tmp_path / "idx")) as ar:
+        worker = ar.format.stream._frames
+        assert worker is not None and not worker.finish
+        fr = ar.format.stream.frames
+        large = [i for i in range(len(fr)) if fr.dec_size[i] >= zstdframes.MIN_FRAME]
+        a, others = large[1], large[2:]
+        assert zstdframes.MAX_PARTIAL <= len(others) < worker.capacity
+
+        def read_in(i: int, k: int = 0) -> None:
+            path = _members_of_frame(ar, i)[k]
+            assert ar.read(path) == (src / path).read_bytes()
+
+        read_in(a)
+        for j in others:  # enough first reads of other frames to let a's partial frame go
+            read_in(j)
+        assert a not in worker._partial and ar.cache.peek(("zf", a)) is None
+        read_in(a, 1)  # back after fewer starts than the cache holds frames: finished and cached
+        assert bytes(_wait_cached(ar, ("zf", a))) == _frame_bytes(packed, ar, a)
+        assert worker.finished_on_reuse == 1
+        worker.capacity = 2  # now the next comeback is too late for a cache this small
+        c = others[0]
+        assert c not in worker._partial
+        read_in(c, 1)
+        time.sleep(0.2)  # time the background thread would take to finish it
+        assert worker.finished_on_reuse == 1 and ar.cache.peek(("zf", c)) is None
+
+
 @contextlib.contextmanager
 def _reads_fail(fd: int, directory: Path):
     """Reads through ``fd`` fail (EISDIR: it points at a directory) until the block ends."""

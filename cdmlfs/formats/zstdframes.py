@@ -28,6 +28,10 @@ page) before answering: 4–5 ms. Two things cut that down:
   few of them, least recently used let go first, each decoded further only
   when a reader asks for bytes past where it stands (reading in archive order
   stays one pass, and a frame decoded to its end by its readers is cached).
+  Unless a frame proves it would stay: one started again within fewer first
+  reads of other frames than the cache holds frames (say a validation split
+  packed together, read each epoch) is finished and cached, as with a small
+  archive.
 * **Pre-faulted buffers.** Frames are decoded into anonymous mappings. The
   background thread keeps a few spare mappings, already populated, sized for the
   largest frame; a decode takes it (shrunk to the frame) instead of faulting
@@ -47,6 +51,7 @@ import mmap
 import os
 import queue
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import NamedTuple
@@ -229,6 +234,7 @@ class PartialFrame:
         self.complete = False
         self.queued = False
         self.evicted = False
+        self.finish = True  # finished in the background once its first reader is served
         self.failed: MemberError | SourceError | None = None
         self.lock = threading.Lock()
         self.lock.acquire()
@@ -335,7 +341,8 @@ class FrameWorker:
     ``span(i)`` (from the stream) checks frame ``i``'s sizes in the table and
     says where its compressed bytes are (or raises CorruptMemberError).
     ``finish``: finish frames in the background, else keep them partial (see
-    :func:`finishes_in_background`).
+    :func:`finishes_in_background`) unless one comes back soon: ``frames`` is
+    how many the stream has (for the record of when each last started).
     """
 
     def __init__(
@@ -345,8 +352,14 @@ class FrameWorker:
         source: Source,
         span: Callable[[int], FrameSpan],
         finish: bool = True,
+        frames: int = 0,
     ) -> None:
         self.finish = finish
+        # Kept partial: when each frame was last started, counted in frames started (the cache
+        # would have evicted it after about ``capacity`` of them).
+        self._started = array("q", [-1]) * (frames if not finish else 0)
+        self._starts = 0
+        self.capacity = max(1, cache.limit // max(spare_size, 1))
         self.cache = cache
         self.spare_size = spare_size
         self.source = source
@@ -366,6 +379,7 @@ class FrameWorker:
         self.early_frames = 0  # frames whose first reader was answered before the frame was finished
         self.spares_used = 0
         self.partial_evictions = 0  # partial frames let go to make room for another (no finishing)
+        self.finished_on_reuse = 0  # kept-partial frames finished because they came back soon
 
     @property
     def closed(self) -> bool:
@@ -380,6 +394,7 @@ class FrameWorker:
                 "spares_used": self.spares_used,
                 "frames_finished_in_background": int(self.finish),
                 "partial_evictions": self.partial_evictions,
+                "frames_finished_on_reuse": self.finished_on_reuse,
             }
 
     def close(self) -> None:
@@ -440,7 +455,7 @@ class FrameWorker:
             if not p.complete:  # decoded to its end but failed there (the frame checksum)
                 raise p.failed or CorruptMemberError(f"{p.where} did not decode")
             assert p.buffer is not None
-            if not self.finish and self._drop(i, p):
+            if not p.finish and self._drop(i, p):
                 p.abandon()  # the caller caches the buffer under its own reservation
             return p.buffer
         span = self._span(i)
@@ -515,6 +530,7 @@ class FrameWorker:
                 room.release()
                 return p
             p = self._partial[i] = PartialFrame(key, size)  # created locked: others wait for setup
+            p.finish = self.finish or self._comes_back(i)
         try:
             span = self._span(i)
             buffer = self.buffer(size)
@@ -541,10 +557,21 @@ class FrameWorker:
         if self._closed:  # close() may have given up on this frame while we decoded it
             self._drop(i, p)
             p.shut(_closed_error(p.where), wait=CLOSE_WAIT)
-        elif self.finish and not p.evicted:
+        elif p.finish and not p.evicted:
             self.finish_later(p)
         elif (p.complete or p.failed is not None or p.evicted) and self._drop(i, p) and p.complete:
             p.commit()
+
+    def _comes_back(self, i: int) -> bool:
+        """Frame ``i`` is started again soon enough that the cache would have kept it (lock held)."""
+        if i >= len(self._started):
+            return False
+        last, self._started[i] = self._started[i], self._starts
+        self._starts += 1
+        if last < 0 or self._starts - last > self.capacity:
+            return False
+        self.finished_on_reuse += 1
+        return True
 
     def _evict_one(self) -> None:
         """Let go of the least recently read partial frame that no reader holds (if any)."""

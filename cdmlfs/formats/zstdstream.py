@@ -296,7 +296,9 @@ class ZstdStream:
         if not self._spare_size or self._cache is None:
             return None
         finish = zstdframes.finishes_in_background(self.total, self._cache.limit)
-        return zstdframes.FrameWorker(self._cache, self._spare_size, self.source, self._frame_span, finish)
+        return zstdframes.FrameWorker(
+            self._cache, self._spare_size, self.source, self._frame_span, finish, len(self.frames)
+        )
 
     def bound_extents(self, whole_max: int, piece: int, cache: ExtentCache | None = None) -> None:
         """Called once by the reader: one decode must fit its cache budget.
