@@ -266,10 +266,11 @@ class PartialFrame:
             if self.evicted:
                 raise FrameEvicted(self.where)
             assert self._dec is not None
+            # Close to the end: go there, so the frame is checked and cacheable without the
+            # background thread (its last member's readers never ask for the tar padding).
+            target = self.size if self.size - upto <= TAIL else upto
             try:
-                # Close to the end: go there, so the frame is checked and cacheable without the
-                # background thread (its last member's readers never ask for the tar padding).
-                self._dec.advance(self.size if self.size - upto <= TAIL else upto)
+                self._dec.advance(target)
             except MemberError as exc:
                 # What was decoded before the failure stays readable: the only readers of a partial
                 # frame check each member's CRC (the frame checksum failed, not necessarily they).
@@ -279,16 +280,17 @@ class PartialFrame:
                 if self.done < upto:
                     raise
                 return
-            except BaseException:
+            except BaseException as exc:
                 # A read error (the frame itself may be fine), or the archive closed: this decoder
                 # cannot go on (the native one refuses to after a failed read). Later readers
                 # decode the frame afresh.
                 self.done = self._dec.pos
                 self.evicted = True
                 self.abandon()
-                if self.done < upto:  # else only the tail rule's extra step failed: serve this reader
-                    raise
-                return
+                # Only the tail rule's extra step failed, past what this reader asked for: serve it.
+                if isinstance(exc, Exception) and target > upto and self.done >= upto:
+                    return
+                raise
             self.done = self._dec.pos
             if self.done == self.size:
                 self.complete = True
@@ -359,7 +361,6 @@ class FrameWorker:
         # would have evicted it after about ``capacity`` of them).
         self._started = array("q", [-1]) * (frames if not finish else 0)
         self._starts = 0
-        self.capacity = max(1, cache.limit // max(spare_size, 1))
         self.cache = cache
         self.spare_size = spare_size
         self.source = source
@@ -373,6 +374,8 @@ class FrameWorker:
         # the reader's path, is most of what an early member saves. A few spares absorb the burst of
         # new frames at the start of a shuffled epoch; they hold at most 1/16 of the cache.
         self.max_spares = max(1, min(MAX_SPARES, cache.limit // (16 * spare_size)))
+        # Frames the cache keeps besides the ones in flight and the spares (see _comes_back).
+        self.capacity = max(1, cache.limit // max(spare_size, 1) - MAX_PARTIAL - self.max_spares)
         self._decoders: list = []
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -451,6 +454,8 @@ class FrameWorker:
                 p.advance(p.size)
             except FrameEvicted:
                 p = None
+            if p is not None and p.evicted and not p.complete:
+                p = None  # a reader's read failed at its very end meanwhile: decode it afresh
         if p is not None:
             if not p.complete:  # decoded to its end but failed there (the frame checksum)
                 raise p.failed or CorruptMemberError(f"{p.where} did not decode")
@@ -567,8 +572,9 @@ class FrameWorker:
         if i >= len(self._started):
             return False
         last, self._started[i] = self._started[i], self._starts
+        between = self._starts - last - 1  # other frames started since (if it was started before)
         self._starts += 1
-        if last < 0 or self._starts - last > self.capacity:
+        if last < 0 or between >= self.capacity:
             return False
         self.finished_on_reuse += 1
         return True
