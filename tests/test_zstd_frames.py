@@ -338,7 +338,9 @@ def test_a_frame_is_complete_only_once_its_checksum_is_checked(
     comp[-1] ^= 0xFF
     path = tmp_path / "frame.zst"
     path.write_bytes(comp)
-    monkeypatch.setattr(zstdframes, "INPUT_CHUNK", len(comp) - 2)  # the first read stops in the checksum
+    # The first read stops in the checksum (the native decoder asks for what reaching the reader's
+    # 1000 bytes takes at the frame's ratio, plus INPUT_CHUNK).
+    monkeypatch.setattr(zstdframes, "INPUT_CHUNK", len(comp) - 2 - 1000 * len(comp) // len(data))
     source = CountingSource(path)  # no descriptor: compressed bytes come through read_at, a chunk at a time
     cache = ExtentCache(64 * MiB)
     span = zstdframes.FrameSpan("frame #0", 0, len(comp), len(data))
@@ -468,8 +470,11 @@ def test_close_that_gives_up_on_a_busy_reader_still_frees_its_frame(
     monkeypatch.setattr(zstdframes, "CLOSE_WAIT", 0.05)
 
     class Slow(CountingSource):
+        armed = False
+
         def read_at(self, offset: int, length: int) -> bytes:
-            time.sleep(0.02)
+            if self.armed:
+                time.sleep(0.3)  # a stalled request: close() gives up waiting for it
             return super().read_at(offset, length)
 
     source = Slow(packed)
@@ -485,9 +490,10 @@ def test_close_that_gives_up_on_a_busy_reader_still_frees_its_frame(
         except BaseException as exc:
             failed.append(exc)
 
+    source.armed = True
     t = threading.Thread(target=read)
     t.start()
-    time.sleep(0.1)  # inside the frame's decode, 64 KiB of compressed bytes a read
+    time.sleep(0.1)  # inside the frame's decode, waiting for its compressed bytes
     ar.close()
     t.join(10)
     assert not t.is_alive()

@@ -78,7 +78,7 @@ MAX_PARTIAL = 4  # frames in flight at once (being finished, or kept partial)
 FINISH_MAX_RATIO = 2  # finish frames in the background for archives up to this many times the cache
 FINISH_ENV = os.environ.get("CDMLFS_FINISH_FRAMES", "auto")  # "1" always, "0" never (for A/B runs)
 MAX_SPARES = 8  # pre-faulted buffers kept ready
-INPUT_CHUNK = 64 << 10  # compressed bytes per source read when there is no file descriptor (S3)
+INPUT_CHUNK = 64 << 10  # least compressed bytes per source read without a file descriptor (S3)
 MAX_WINDOW_LOG = 27  # same default limit as the zstd CLI (zstdstream uses it too)
 CLOSE_WAIT = 5.0  # seconds close() waits for a step in progress (a local step takes about a millisecond)
 ENABLED = os.environ.get("CDMLFS_FRAME_WORKER", "1") != "0"  # 0: whole decodes only (for A/B runs)
@@ -167,7 +167,11 @@ class _NativeDecode(_Decode):
                     with contextlib.suppress(AttributeError):  # read in C, past read_at: for cdmlfs stats
                         self._source.bytes_read += used
                 else:
-                    n = min(INPUT_CHUNK, left)
+                    # No descriptor (S3): one request for what reaching ``until`` should take at the
+                    # frame's compression ratio, plus a margin. A request costs far more than
+                    # decoding a little past ``until`` (64 KiB at a time was ~28 GETs a read).
+                    want = (until - dec.pos) * span.length // max(span.size, 1) + INPUT_CHUNK
+                    n = min(max(want, INPUT_CHUNK), left)
                     dec.feed(self._source.read_at(span.offset + self._used, n))
                     self._used += n
         except NativeDecodeError as exc:
