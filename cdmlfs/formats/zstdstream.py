@@ -574,11 +574,11 @@ class ZstdStream:
             return None
         try:
             p.advance(lo + size)
+            return p.slice(lo, lo + size)
         except zstdframes.FrameEvicted:
             return None  # let go meanwhile (another frame needed its place)
         finally:
             frames.after_read(i, p)
-        return p.view[lo : lo + size]
 
     def _decode_frame(self, i: int) -> bytes | mmap.mmap:
         fr = self.frames
