@@ -82,6 +82,7 @@ FINISH_MAX_RATIO = 2  # finish frames in the background for archives up to this 
 FINISH_ENV = os.environ.get("CDMLFS_FINISH_FRAMES", "auto")  # "1" always, "0" never (for A/B runs)
 MAX_SPARES = 8  # pre-faulted buffers kept ready
 INPUT_CHUNK = 64 << 10  # least compressed bytes per source read without a file descriptor (S3)
+MAX_INPUT_READ = 2 << 20  # most per read: it is held outside the cache while it is decoded
 MAX_WINDOW_LOG = 27  # same default limit as the zstd CLI (zstdstream uses it too)
 CLOSE_WAIT = 5.0  # seconds close() waits for a step in progress (a local step takes about a millisecond)
 ENABLED = os.environ.get("CDMLFS_FRAME_WORKER", "1") != "0"  # 0: whole decodes only (for A/B runs)
@@ -174,7 +175,7 @@ class _NativeDecode(_Decode):
                     # frame's compression ratio, plus a margin. A request costs far more than
                     # decoding a little past ``until`` (64 KiB at a time was ~28 GETs a read).
                     want = (until - dec.pos) * span.length // max(span.size, 1) + INPUT_CHUNK
-                    n = min(max(want, INPUT_CHUNK), left)
+                    n = min(max(want, INPUT_CHUNK), MAX_INPUT_READ, left)
                     dec.feed(self._source.read_at(span.offset + self._used, n))
                     self._used += n
         except NativeDecodeError as exc:
@@ -318,8 +319,10 @@ class PartialFrame:
     def take_buffer(self) -> mmap.mmap | None:
         """The buffer of a frame let go, for reuse; no view is handed out after this."""
         with self._vlock:
+            if not self.evicted:
+                return None
             buf, self.buffer = self.buffer, None
-            return buf if self.evicted else None
+            return buf
 
     def commit(self) -> None:
         """Put the finished frame in the cache in place of its reservation."""
@@ -556,8 +559,10 @@ class FrameWorker:
             full = len(self._partial) >= MAX_PARTIAL
         if self.cache.peek(key) is not None:
             return None
-        # Kept partial with every slot taken: each new frame lets one go, whose buffer serves the
-        # next (no new spares asked for: making them costs more than everything else here).
+        # Kept partial with every slot taken: each new frame lets one go, whose buffer serves it.
+        # No new spare is asked for then, even when this one could not be reused (a reader held
+        # a view of it): the next frame let go most likely can, and a spare made meanwhile would
+        # fill the pool in its place at the cost of faulting in a whole frame.
         recycling = full and not self.finish
         if recycling:
             self._evict_one()
@@ -614,17 +619,17 @@ class FrameWorker:
         self.finished_on_reuse += 1
         return True
 
-    def _evict_one(self) -> bool:
+    def _evict_one(self) -> None:
         """Let go of the least recently read partial frame that no reader holds (if any), its
-        buffer kept as a spare; True if it was."""
+        buffer kept as a spare."""
         with self._lock:
             candidates = list(self._partial.items())
         for i, p in candidates:
             # Outside our lock: abandoning a frame gives its decoder back through give_back().
             if p.try_evict() and self._drop(i, p):
                 self.partial_evictions += 1
-                return self._recycle(p)
-        return False
+                self._recycle(p)
+                return
 
     def _recycle(self, p: PartialFrame) -> bool:
         """The buffer of a frame let go becomes a spare: its pages are faulted in already (making
