@@ -217,6 +217,18 @@ def test_archive_much_larger_than_the_cache_keeps_frames_partial(
         assert ar.format.stream._frames.partial_evictions == 0
 
 
+@contextlib.contextmanager
+def _frames_kept_partial(packed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The packed archive (~6 MiB) opened as if many times the cache, the ratio scaled down to it:
+    (archive, its frame worker keeping frames partial, the frames large enough for that worker)."""
+    monkeypatch.setattr(zstdframes, "FINISH_MAX_RATIO", 0.25)
+    with Archive(str(packed), cache_size=16 * MiB, index_dir=str(tmp_path / "idx")) as ar:
+        worker = ar.format.stream._frames
+        assert worker is not None and not worker.finish
+        fr = ar.format.stream.frames
+        yield ar, worker, [i for i in range(len(fr)) if fr.dec_size[i] >= zstdframes.MIN_FRAME]
+
+
 def test_a_frame_kept_partial_that_comes_back_soon_is_finished_and_cached(
     packed: Path, src: Path, tmp_path: Path, decoder: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -224,12 +236,7 @@ def test_a_frame_kept_partial_that_comes_back_soon_is_finished_and_cached(
     fewer frame starts than the cache holds frames would have stayed cached (a validation split
     packed together, read every epoch): it is finished and cached instead of decoded from its
     start at every read."""
-    monkeypatch.setattr(zstdframes, "FINISH_MAX_RATIO", 0.25)
-    with Archive(str(packed), cache_size=16 * MiB, index_dir=str(tmp_path / "idx")) as ar:
-        worker = ar.format.stream._frames
-        assert worker is not None and not worker.finish
-        fr = ar.format.stream.frames
-        large = [i for i in range(len(fr)) if fr.dec_size[i] >= zstdframes.MIN_FRAME]
+    with _frames_kept_partial(packed, tmp_path, monkeypatch) as (ar, worker, large):
         a, others = large[1], large[2:]
         assert zstdframes.MAX_PARTIAL <= len(others) < worker.capacity
 
@@ -258,12 +265,7 @@ def test_a_frame_let_go_lends_its_buffer_to_the_next_but_never_under_a_view(
     """Making fresh spare buffers took a third of the daemon's CPU in shuffled reads of an archive
     6x the cache: the buffer of a partial frame let go is reused for the next frame, unless a
     view of it is still held (a reader copying out), whose bytes must stay as they are."""
-    monkeypatch.setattr(zstdframes, "FINISH_MAX_RATIO", 0.25)
-    with Archive(str(packed), cache_size=16 * MiB, index_dir=str(tmp_path / "idx")) as ar:
-        worker = ar.format.stream._frames
-        assert worker is not None and not worker.finish
-        fr = ar.format.stream.frames
-        large = [i for i in range(len(fr)) if fr.dec_size[i] >= zstdframes.MIN_FRAME]
+    with _frames_kept_partial(packed, tmp_path, monkeypatch) as (ar, worker, large):
         assert len(large) >= zstdframes.MAX_PARTIAL + 3
         first = _members_of_frame(ar, large[0])[0]
         assert ar.read(first) == (src / first).read_bytes()
