@@ -292,9 +292,7 @@ class PartialFrame:
                 # cannot go on (the native one refuses to after a failed read). Later readers
                 # decode the frame afresh.
                 self.done = self._dec.pos
-                with self._vlock:
-                    self.evicted = True
-                self.abandon()
+                self._let_go()
                 # Only the tail rule's extra step failed, past what this reader asked for: serve it.
                 if isinstance(exc, Exception) and target > upto and self.done >= upto:
                     return
@@ -342,28 +340,31 @@ class PartialFrame:
         try:
             if self.complete or self.queued or self.failed is not None or self.evicted:
                 return False
-            with self._vlock:
-                self.evicted = True
-            self.abandon()
+            self._let_go()
         finally:
             self.lock.release()
         return True
 
-    def shut(self, why: SourceError, wait: float) -> bool:
+    def _let_go(self) -> None:
+        """Evicted (lock held): no view is handed out after this (see ``slice``), then abandoned."""
+        with self._vlock:
+            self.evicted = True
+        self.abandon()
+
+    def shut(self, why: SourceError, wait: float) -> None:
         """Abandon the frame for good once no reader decodes into it (later reads raise ``why``).
 
-        False when a reader kept the lock past ``wait`` seconds: its decode stops
-        at its next step (the worker is closed) and ``after_read`` shuts the frame.
+        Nothing when a reader kept the lock past ``wait`` seconds: its decode
+        stops at its next step (the worker is closed) and ``after_read`` shuts the frame.
         """
         if not self.lock.acquire(timeout=wait):
-            return False
+            return
         try:
             if self.failed is None:
                 self.failed = why
             self.abandon()
         finally:
             self.lock.release()
-        return True
 
 
 class FrameWorker:
@@ -535,12 +536,10 @@ class FrameWorker:
             except OSError:
                 room.release()
                 return
-            with self._lock:
-                if self._closed:  # close() already gave the others back
-                    buf.close()
-                    room.release()
-                    return
-                self._spares.append((buf, room))
+            if not self._keep_spare(buf, room):
+                buf.close()
+                room.release()
+                return
 
     # -- partial frames -------------------------------------------------------
     def partial(self, i: int, key: Hashable, size: int) -> PartialFrame | None:
@@ -631,29 +630,35 @@ class FrameWorker:
                 self._recycle(p)
                 return
 
-    def _recycle(self, p: PartialFrame) -> bool:
+    def _recycle(self, p: PartialFrame) -> None:
         """The buffer of a frame let go becomes a spare: its pages are faulted in already (making
         fresh spares took a third of the daemon's CPU in shuffled reads of an archive 6x the
         cache). Not while a view of it lives (a reader still copying out): those bytes stay."""
         buf = p.take_buffer()
         if buf is None:
-            return False
+            return
         try:
             # mremap; refused while any view of the mapping exists. Growing back to the spare size
             # keeps the faulted pages (the frame may have been a little smaller).
             buf.resize(self.spare_size)
         except (BufferError, ValueError, OSError):
-            return False
+            return
         room = self.cache.hold(self.spare_size, wait=False)
         if room is None:
-            return False
+            return
+        if self._keep_spare(buf, room):
+            self.buffers_recycled += 1
+        else:
+            room.release()
+
+    def _keep_spare(self, buf: mmap.mmap, room: Reservation) -> bool:
+        """Put a spare and its reservation in the pool; False when closed (close() gave the others
+        back) or full: then the caller lets go of both."""
         with self._lock:
-            if not self._closed and len(self._spares) < self.max_spares:
-                self._spares.append((buf, room))
-                self.buffers_recycled += 1
-                return True
-        room.release()
-        return False
+            if self._closed or len(self._spares) >= self.max_spares:
+                return False
+            self._spares.append((buf, room))
+            return True
 
     def finish_later(self, p: PartialFrame) -> None:
         """Hand a partial frame to the background thread (once; after its first reader got its bytes,

@@ -692,11 +692,11 @@ class ZstdStream:
         frame_size = fr.dec_size[i]
         target = k * piece
         length = self._piece_length(i, k, piece)
+        key = ("zp", i, k, piece)
         if self._cache is not None:  # decoded meanwhile by another reader: no decoder to choose
-            done = self._cache.peek(("zp", i, k, piece))
+            done = self._cache.peek(key)
             if done is not None:
                 return None if prefetching else done
-        key = ("zp", i, k, piece)
         with self._locked_cursor(i, target, key, create=not prefetching) as (cur, done):
             if cur is None:  # the piece is cached now (or, decoding ahead, no decoder to continue)
                 return None if prefetching else done
