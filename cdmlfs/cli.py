@@ -578,7 +578,9 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common, indexed],
         help="write a directory or archive as a seekable tar.zst (or .tar, .zip) that mounts instantly",
     )
-    p.add_argument("source", help="a directory, or an archive (zip, tar, tar.zst)")
+    p.add_argument(
+        "source", help="a directory, an archive (zip, tar, tar.zst), or a tar.gz / tar.bz2 / tar.xz"
+    )
     p.add_argument("output", help="OUT.tar.zst (seekable zstd), OUT.tar or OUT.zip")
     p.add_argument("--level", type=int, help="compression level (zstd default 3, deflate default 6)")
     p.add_argument(

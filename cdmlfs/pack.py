@@ -23,35 +23,46 @@ whatever the input size. The output is written to a temporary name and renamed
 into place when complete.
 
 Sources: a directory (walked in name order; hard links detected by inode;
-sockets, devices and FIFOs skipped with a warning) or any archive cdmlfs
+sockets, devices and FIFOs skipped with a warning), any archive cdmlfs
 opens (ZIP, tar, tar.zst; members are read in archive order, so a
-single-frame tar.zst is decoded exactly once). ZIP output has no hard links:
-they become copies. Mtimes are stored in whole seconds; ZIP can only hold
+single-frame tar.zst is decoded exactly once), or a gzip, bzip2 or xz
+compressed tar (.tar.gz, .tgz, .tar.bz2, .tar.xz), converted in one streaming
+pass with nothing extracted to disk: ``tarfile`` reads it over the standard
+library's decompressor, which checks the stream's own checksums (read to the
+end of the stream for that). ZIP output has no hard links: they become copies;
+a compressed tar converts to .tar.zst or .tar only (its hard links would need
+their target's bytes a second time). Mtimes are stored in whole seconds; ZIP can only hold
 1980..2107 (exactly: 1901..2038), later or earlier ones are clamped.
 """
 
 from __future__ import annotations
 
+import bz2
 import contextlib
 import errno
+import gzip
 import logging
+import lzma
 import math
 import os
 import stat as statmod
 import struct
+import tarfile
 import threading
 import time
 import zipfile
+import zlib
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import zstandard
 
-from cdmlfs import inflate
-from cdmlfs.errors import UsageError
+from cdmlfs import inflate, pathrules
+from cdmlfs.errors import ArchiveFormatError, UsageError
+from cdmlfs.formats import PACKABLE, compressed_kind
 from cdmlfs.formats import tarheader as th
 from cdmlfs.formats.tar import EMBEDDED_INDEX_NIBBLE, encode_embedded_index
 from cdmlfs.formats.tarmembers import HARDLINK, MemberTable
@@ -283,6 +294,136 @@ def entries_from_archive(archive) -> list[PackEntry]:
     return out + carriers + links
 
 
+# A compressed tar read as one stream: the decompressor for each kind `compressed_kind` names.
+_DECOMPRESSORS: dict[str, Callable] = {
+    "gzip": lambda f: gzip.GzipFile(fileobj=f, mode="rb"),
+    "bzip2": lambda f: bz2.BZ2File(f, "rb"),
+    "xz": lambda f: lzma.LZMAFile(f, "rb"),  # noqa: SIM115 - closed by entries_from_compressed_tar
+}
+# What a damaged or truncated stream raises (gzip.BadGzipFile and bz2's errors are OSErrors).
+_STREAM_ERRORS = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError)
+
+
+def compressed_tar_kind(path: str) -> str | None:
+    """'gzip', 'bzip2' or 'xz' when the local file ``path`` is compressed that way (by its magic)."""
+    try:
+        with open(path, "rb") as f:
+            kind = compressed_kind(f.read(8))
+    except OSError:
+        return None  # not ours to report here: opening it as an archive says what is wrong
+    return kind if kind in PACKABLE else None
+
+
+class _RecentBytes:
+    """A forward-only file that keeps its last few reads, to look back at the block tarfile stopped on."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+        self.pos = 0
+        self._recent: deque[tuple[int, bytes]] = deque(maxlen=4)  # (start, data); tarfile reads 10 KiB
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        if data:
+            self._recent.append((self.pos, data))
+            self.pos += len(data)
+        return data
+
+    def block(self, at: int) -> bytes:
+        """The (up to) 512 bytes read at ``at``, b"" where the stream ended before them."""
+        out = b""
+        for start, data in self._recent:
+            lo, hi = max(at, start), min(at + th.BLOCK, start + len(data))
+            if lo < hi:
+                out += data[lo - start : hi - start]
+        return out
+
+
+class StreamTally:
+    """Counts the members and file bytes of entries as they go by (a stream has no list to count)."""
+
+    def __init__(self) -> None:
+        self.members = 0
+        self.bytes = 0
+
+    def count(self, entries: Iterable[PackEntry]) -> Iterator[PackEntry]:
+        for entry in entries:
+            self.members += 1
+            if entry.kind == FILE:
+                self.bytes += entry.size
+            yield entry
+
+
+def entries_from_compressed_tar(raw, where: str, kind: str) -> Iterator[PackEntry]:
+    """Members of the tar in the ``kind``-compressed file ``raw``, in its own order, as they are read.
+
+    One forward pass: a file's ``read`` must be used up before the next entry is asked for (as
+    ``write_tar`` does). Names follow the mount's path rule (tar: ``\\`` is no separator); the last
+    of duplicate names wins, as for the mount and for ``tar -x``. Devices, FIFOs and other
+    special entries are skipped with a warning. A damaged or truncated stream raises
+    ArchiveFormatError naming the file; the rest of the decompressed stream is read, so its own
+    checksum (gzip's CRC-32, bzip2's, xz's check) has been verified once the last entry is out.
+    """
+
+    def failed(exc: BaseException) -> ArchiveFormatError:
+        detail = str(exc) or type(exc).__name__
+        return ArchiveFormatError(f"{where}: cannot read this {kind}-compressed tar ({detail})")
+
+    def chunks(tf: tarfile.TarFile, member: tarfile.TarInfo) -> Callable[[], Iterator[bytes]]:
+        def read() -> Iterator[bytes]:
+            try:
+                f = tf.extractfile(member)
+                assert f is not None  # a regular file
+                while data := f.read(READ_CHUNK):
+                    yield data
+            except _STREAM_ERRORS as exc:
+                raise failed(exc) from None
+
+        return read
+
+    stream = _DECOMPRESSORS[kind](raw)
+    seen = _RecentBytes(stream)
+    try:
+        # A TarFile over a file object it did not open holds nothing to release; ``stream`` is
+        # closed below.
+        tf = tarfile.open(fileobj=seen, mode="r|", encoding="utf-8", errors="surrogateescape")  # noqa: SIM115
+        while True:
+            try:
+                member = tf.next()
+            except _STREAM_ERRORS as exc:
+                raise failed(exc) from None
+            if member is None:
+                # tarfile also ends quietly at a damaged header: only a zero block ends a tar.
+                if any(seen.block(tf.offset)):
+                    raise ArchiveFormatError(
+                        f"{where}: damaged tar header at byte {tf.offset:,} of the decompressed tar"
+                    )
+                break
+            name = pathrules.normalize(member.name, backslash_is_separator=False)
+            if not name:  # "./", what `tar -C DIR -c .` writes first, is the root: nothing to add
+                if not member.isdir():
+                    log.warning("%s: %r names the archive's root; skipped", where, member.name)
+                continue
+            mode = member.mode & 0o777  # never setuid, setgid or sticky (as the mount shows them)
+            if member.isreg():
+                yield PackEntry(name, FILE, mode, member.mtime, member.size, read=chunks(tf, member))
+            elif member.isdir():
+                yield PackEntry(name, DIR, mode, member.mtime)
+            elif member.issym():
+                yield PackEntry(name, SYMLINK, mode, member.mtime, link=member.linkname)
+            elif member.islnk():
+                target = pathrules.normalize(member.linkname, backslash_is_separator=False)
+                yield PackEntry(name, HARDLINK, mode, member.mtime, link=target)
+            else:
+                log.warning("%s: %s is a device, FIFO or other special entry; skipped", where, name)
+        while seen.read(READ_CHUNK):  # on to the stream's end, where its checksum is checked
+            pass
+    except _STREAM_ERRORS as exc:
+        raise failed(exc) from None
+    finally:
+        stream.close()
+
+
 # -- tar stream ------------------------------------------------------------------------------
 def _tar_header(entry: PackEntry) -> bytes:
     mtime = math.floor(entry.mtime)
@@ -389,7 +530,9 @@ class _SeekableZstdSink(_TarSink):
             self._pool.shutdown(cancel_futures=True)
 
 
-def write_tar(entries: list[PackEntry], sink: _TarSink, progress: Progress | None, total: int) -> MemberTable:
+def write_tar(
+    entries: Iterable[PackEntry], sink: _TarSink, progress: Progress | None, total: int
+) -> MemberTable:
     """The tar stream of ``entries`` into ``sink``; returns the member table (data offsets included)."""
     members = MemberTable()
     members.crcs = array("I")  # lets the reader check a member before the rest of its frame is decoded
@@ -562,20 +705,39 @@ def pack(
         raise UsageError(f"{src}: no such file or directory")
     if not remote and os.path.exists(out) and os.path.samefile(src, out):
         raise UsageError("the output would overwrite the source")
+    stream = None if remote or os.path.isdir(src) else compressed_tar_kind(src)
+    if stream is not None and kind == "zip":
+        raise UsageError(
+            f"{src}: a {stream}-compressed tar converts in one pass to .tar.zst or .tar only "
+            "(its hard links would need bytes read before); pack the .tar.zst into a .zip from there"
+        )
     threads = max(1, threads or os.cpu_count() or 1)
     archive = None
+    raw = None
+    tally = None
     changed: list[str] = []
     try:
+        entries: Iterable[PackEntry]
         if not remote and os.path.isdir(src):
             # An output inside the directory (overwritten with --force) is not packed into itself.
             skip = os.path.join(os.path.abspath(src), _inside(src, out))
-            entries = entries_from_directory(src, skip=skip, changed=changed)
+            entries = listed = entries_from_directory(src, skip=skip, changed=changed)
+            total = sum(e.size for e in listed if e.kind == FILE)
+        elif stream is not None:
+            # One pass, no list: progress goes by compressed bytes read, counts are taken on the way.
+            raw = open(src, "rb")  # noqa: SIM115 - closed in the finally below
+            total = os.fstat(raw.fileno()).st_size
+            tally = StreamTally()
+            entries = tally.count(entries_from_compressed_tar(raw, src, stream))
+            if progress is not None:
+                report, at = progress, raw.tell
+                progress = lambda done, _total: report(at(), total)  # noqa: E731
         else:
             from cdmlfs.archive import Archive
 
             archive = Archive(src, cache_size=256 << 20, **archive_options)
-            entries = entries_from_archive(archive)
-        total = sum(e.size for e in entries if e.kind == FILE)
+            entries = listed = entries_from_archive(archive)
+            total = sum(e.size for e in listed if e.kind == FILE)
         directory = os.path.dirname(os.path.abspath(out))
         tmp = os.path.join(directory, f".{os.path.basename(out)}.partial-{os.getpid()}")
         started = time.monotonic()
@@ -613,9 +775,11 @@ def pack(
     finally:
         if archive is not None:
             archive.close()
+        if raw is not None:
+            raw.close()
     return {
-        "members": len(entries),
-        "bytes": total,
+        "members": tally.members if tally is not None else len(listed),
+        "bytes": tally.bytes if tally is not None else total,
         "output_bytes": os.path.getsize(out),
         "frames": frames,
         "seconds": time.monotonic() - started,

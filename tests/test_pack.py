@@ -309,3 +309,96 @@ def test_names_that_are_not_utf8_and_special_mode_bits(tmp_path: Path) -> None:
     err = res.stderr.decode().strip()
     assert res.returncode != 0 and "UTF-8" in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "o.zip").exists()
+
+
+COMPRESSORS = {"gzip": ["gzip", "-c"], "bzip2": ["bzip2", "-c"], "xz": ["xz", "-c", "-T1"]}
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("kind", sorted(COMPRESSORS))
+def test_compressed_tars_convert_in_one_pass(kind: str, src: Path, tmp_path: Path, mnt: Path) -> None:
+    """tar.gz / tar.bz2 / tar.xz as made by GNU tar piped through the compressor: packed with no
+    extraction, the result extracts and mounts as the source tree (hard links kept as links)."""
+    expected = tree(src)
+    for fmt in ("gnu", "pax"):
+        packed_from = gnu_tar(tmp_path / f"{fmt}.tar.{kind}", src, fmt, COMPRESSORS[kind])
+        packed = cdmlfs_pack(packed_from, tmp_path / f"{fmt}.tar.zst", "--frame-size", "256K")
+        _same_tree(tree(extract(packed, tmp_path / f"x-{fmt}")), expected)
+    with mounted(packed, mnt, "--index-dir", str(tmp_path / "idx")):
+        _same_tree(tree(mnt), expected)
+        assert os.stat(mnt / "hardlink_a").st_nlink == 3
+    with Archive(str(packed), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.format.stream.frames.total > 1  # seekable: frames of at most 256 KiB
+
+
+def test_compressed_tar_to_plain_tar_and_progress_by_compressed_bytes(src: Path, tmp_path: Path) -> None:
+    """The Python API: counts taken on the way, progress in compressed bytes up to the file's size."""
+    from cdmlfs.pack import pack
+
+    packed_from = gnu_tar(tmp_path / "s.tar.gz", src, "gnu", COMPRESSORS["gzip"])
+    calls: list[tuple[int, int]] = []
+    summary = pack(str(packed_from), str(tmp_path / "o.tar"), progress=lambda d, t: calls.append((d, t)))
+    size = packed_from.stat().st_size
+    assert calls[-1] == (size, size)
+    assert all(t == size for _, t in calls)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+    files = {p.stat().st_ino: p.stat().st_size for p in src.rglob("*") if p.is_file() and not p.is_symlink()}
+    assert summary["bytes"] == sum(files.values())  # hard links carry no bytes of their own
+    _same_tree(tree(extract(tmp_path / "o.tar", tmp_path / "x")), tree(src))
+
+
+def _flip(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_compressed_tars_fail_with_one_line_and_no_output(src: Path, tmp_path: Path) -> None:
+    """Corrupt or truncated streams, a damaged checksum with every tar byte intact, a damaged tar
+    header inside a sound gzip stream, a gzip that holds no tar: exit 1, one line naming the file,
+    nothing written. Refused up front: a ZIP from a compressed tar (exit 2)."""
+    import gzip
+    import io
+    import tarfile
+
+    good = gnu_tar(tmp_path / "good.tar.gz", src, "gnu", COMPRESSORS["gzip"])
+    size = good.stat().st_size
+    cases: dict[str, Path] = {}
+    for name, change in (
+        ("flipped.tar.gz", lambda p: _flip(p, size // 2)),
+        ("truncated.tar.gz", lambda p: p.write_bytes(p.read_bytes()[: size * 2 // 3])),
+        ("bad-crc.tar.gz", lambda p: _flip(p, size - 6)),  # the trailer's CRC-32: tar bytes all there
+    ):
+        p = tmp_path / name
+        p.write_bytes(good.read_bytes())
+        change(p)
+        cases[name] = p
+    # A tar whose second header is damaged (checksum no longer matches), in a sound gzip stream.
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.GNU_FORMAT) as tf:
+        for i in range(3):
+            info = tarfile.TarInfo(f"f{i}.txt")
+            info.size = 600
+            tf.addfile(info, io.BytesIO(bytes([65 + i]) * 600))
+    tar_bytes = bytearray(raw.getvalue())
+    second = 512 + 1024  # header, 600 bytes of data padded to 1024
+    assert tar_bytes[second : second + 6] == b"f1.txt"
+    tar_bytes[second] = ord("g")
+    cases["bad-header.tar.gz"] = tmp_path / "bad-header.tar.gz"
+    cases["bad-header.tar.gz"].write_bytes(gzip.compress(bytes(tar_bytes)))
+    cases["not-a-tar.tar.gz"] = tmp_path / "not-a-tar.tar.gz"
+    cases["not-a-tar.tar.gz"].write_bytes(gzip.compress(b"just,some,csv\n" * 1000))
+    for name, path in cases.items():
+        out = tmp_path / f"{name}.tar.zst"
+        res = run_cli("pack", "-q", str(path), str(out))
+        err = res.stderr.decode().strip()
+        assert res.returncode == 1 and str(path) in err and len(err.splitlines()) == 1, (name, err)
+        assert "Traceback" not in err
+        assert not out.exists(), name
+    assert (
+        "damaged tar header"
+        in run_cli("pack", "-q", str(cases["bad-header.tar.gz"]), str(tmp_path / "o.tar")).stderr.decode()
+    )
+    assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
+    res = run_cli("pack", "-q", str(good), str(tmp_path / "o.zip"))
+    assert res.returncode == 2 and b".tar.zst" in res.stderr and not (tmp_path / "o.zip").exists()

@@ -23,22 +23,32 @@ def open_format(source: Source, progress: Callable[[int, int], None] | None = No
     for sniff, opener in _sniffers():
         if sniff(head, tail):
             return opener(source, progress=progress, **options)
-    for magic, kind, tool in _FOREIGN:
-        if head.startswith(magic):
+    kind = compressed_kind(head)
+    if kind is not None:
+        tool = _FOREIGN[kind]
+        if kind in PACKABLE:
             raise ArchiveFormatError(
-                f"{kind}-compressed, which cdmlfs does not read (ZIP, tar and tar.zst only): "
-                f"decompress it ({tool}), then mount the .tar or 'cdmlfs pack' it into a .tar.zst"
+                f"{kind}-compressed, which cdmlfs does not mount (ZIP, tar and tar.zst only): convert "
+                f"it in one pass, with no extraction: 'cdmlfs pack FILE OUT.tar.zst' (or {tool} it and "
+                "mount the .tar)"
             )
+        raise ArchiveFormatError(
+            f"{kind}-compressed, which cdmlfs does not read (ZIP, tar and tar.zst only): "
+            f"decompress it ({tool}), then mount the .tar or 'cdmlfs pack' it into a .tar.zst"
+        )
     raise ArchiveFormatError("not a supported archive (expected ZIP, tar or tar.zst)")
 
 
-# Compressed tars people will try: say what the file is and what to do about it.
-_FOREIGN = (
-    (b"\x1f\x8b", "gzip", "gunzip"),
-    (b"BZh", "bzip2", "bunzip2"),
-    (b"\xfd7zXZ\x00", "xz", "unxz"),
-    (b"\x04\x22\x4d\x18", "lz4", "unlz4"),
-)
+# Compressed tars people will try: what the file is (by its magic number) and what undoes it.
+_MAGIC = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x04\x22\x4d\x18", "lz4"))
+_FOREIGN = {"gzip": "gunzip", "bzip2": "bunzip2", "xz": "unxz", "lz4": "unlz4"}
+# Those `cdmlfs pack` converts as a stream (the Python standard library decompresses them).
+PACKABLE = frozenset({"gzip", "bzip2", "xz"})
+
+
+def compressed_kind(head: bytes) -> str | None:
+    """'gzip', 'bzip2', 'xz' or 'lz4' when ``head`` (a file's first bytes) starts that way."""
+    return next((kind for magic, kind in _MAGIC if head.startswith(magic)), None)
 
 
 def _sniffers():
