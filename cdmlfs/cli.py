@@ -579,7 +579,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a directory or archive as a seekable tar.zst (or .tar, .zip) that mounts instantly",
     )
     p.add_argument(
-        "source", help="a directory, an archive (zip, tar, tar.zst), or a tar.gz / tar.bz2 / tar.xz"
+        "source",
+        help="a directory, an archive (zip, tar, tar.zst), a tar.gz / tar.bz2 / tar.xz, or - for a tar "
+        "stream (plain or compressed) on standard input",
     )
     p.add_argument("output", help="OUT.tar.zst (seekable zstd), OUT.tar or OUT.zip")
     p.add_argument("--level", type=int, help="compression level (zstd default 3, deflate default 6)")

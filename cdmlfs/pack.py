@@ -25,14 +25,16 @@ into place when complete.
 Sources: a directory (walked in name order; hard links detected by inode;
 sockets, devices and FIFOs skipped with a warning), any archive cdmlfs
 opens (ZIP, tar, tar.zst; members are read in archive order, so a
-single-frame tar.zst is decoded exactly once), or a gzip, bzip2 or xz
-compressed tar (.tar.gz, .tgz, .tar.bz2, .tar.xz), converted in one streaming
-pass with nothing extracted to disk: ``tarfile`` reads it over the standard
-library's decompressor, which checks the stream's own checksums (read to the
-end of the stream for that). ZIP output has no hard links: they become copies;
-a compressed tar converts to .tar.zst or .tar only (its hard links would need
-their target's bytes a second time). Mtimes are stored in whole seconds; ZIP can only hold
-1980..2107 (exactly: 1901..2038), later or earlier ones are clamped.
+single-frame tar.zst is decoded exactly once), a gzip, bzip2 or xz
+compressed tar (.tar.gz, .tgz, .tar.bz2, .tar.xz), or ``-``: a tar stream on
+standard input (plain, gzip, bzip2, xz or zstd; ``aws s3 cp s3://b/k.tar.gz - |
+cdmlfs pack - out.tar.zst``). Streams are converted in one pass with nothing
+extracted to disk: ``tarfile`` reads them over the decompressor, which checks
+the stream's own checksums (read to the end of the stream for that). ZIP output
+has no hard links: they become copies; a stream converts to .tar.zst or .tar
+only (its hard links would need their target's bytes a second time). Mtimes are
+stored in whole seconds; ZIP can only hold 1980..2107 (exactly: 1901..2038),
+later or earlier ones are clamped.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import math
 import os
 import stat as statmod
 import struct
+import sys
 import tarfile
 import threading
 import time
@@ -85,7 +88,7 @@ STORED_EXTENSIONS = frozenset(  # already compressed: deflating them again only 
     }
 )
 
-Progress = Callable[[int, int], None]
+Progress = Callable[[int, int | None], None]  # (done, total); no total for a pipe
 
 
 class PackEntry(NamedTuple):
@@ -294,14 +297,61 @@ def entries_from_archive(archive) -> list[PackEntry]:
     return out + carriers + links
 
 
-# A compressed tar read as one stream: the decompressor for each kind `compressed_kind` names.
+STDIN = "-"  # pack's source name for a tar stream on standard input
+
+# A tar read as one stream: the decompressor for each kind (`compressed_kind` names the first
+# three; "zstd" and a plain "tar" come from standard input, a local file of theirs is opened as an
+# archive with random access instead).
 _DECOMPRESSORS: dict[str, Callable] = {
     "gzip": lambda f: gzip.GzipFile(fileobj=f, mode="rb"),
     "bzip2": lambda f: bz2.BZ2File(f, "rb"),
-    "xz": lambda f: lzma.LZMAFile(f, "rb"),  # noqa: SIM115 - closed by entries_from_compressed_tar
+    "xz": lambda f: lzma.LZMAFile(f, "rb"),  # noqa: SIM115 - closed by entries_from_tar_stream
+    "zstd": lambda f: zstandard.ZstdDecompressor().stream_reader(f, read_across_frames=True),
+    "tar": lambda f: f,
 }
 # What a damaged or truncated stream raises (gzip.BadGzipFile and bz2's errors are OSErrors).
-_STREAM_ERRORS = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError)
+_STREAM_ERRORS = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError, OSError)
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+class _Pipe:
+    """A forward-only input (standard input) whose first bytes are read ahead to tell what it holds;
+    counts what it hands out, for progress."""
+
+    HEAD = 512
+
+    def __init__(self, f) -> None:
+        self._f = f
+        head = b""
+        while len(head) < self.HEAD and (more := f.read(self.HEAD - len(head))):
+            head += more
+        self.head = self._pending = head
+        self.pos = 0
+
+    def read(self, n: int = -1) -> bytes:
+        if self._pending:
+            data = self._pending if n < 0 else self._pending[:n]
+            self._pending = self._pending[len(data) :]
+        else:
+            data = self._f.read(n)
+        self.pos += len(data)
+        return data
+
+    def close(self) -> None:
+        """Nothing to release: standard input is the caller's."""
+
+    def kind(self) -> str:
+        """What the stream is: a compressor's name, or "tar"; UsageError for what cannot stream."""
+        if not self.head:
+            raise UsageError("standard input is empty: pipe a tar (or .tar.gz, .tar.zst, ...) into it")
+        if self.head.startswith(b"PK\x03\x04"):
+            raise UsageError("a ZIP cannot be read from a pipe (its directory is at its end): give its path")
+        if self.head.startswith(_ZSTD_MAGIC):
+            return "zstd"
+        kind = compressed_kind(self.head)
+        if kind is not None and kind not in PACKABLE:
+            raise UsageError(f"standard input is {kind}-compressed: decompress it into the pipe first")
+        return kind or "tar"
 
 
 def compressed_tar_kind(path: str) -> str | None:
@@ -354,20 +404,22 @@ class StreamTally:
             yield entry
 
 
-def entries_from_compressed_tar(raw, where: str, kind: str) -> Iterator[PackEntry]:
-    """Members of the tar in the ``kind``-compressed file ``raw``, in its own order, as they are read.
+def entries_from_tar_stream(raw, where: str, kind: str) -> Iterator[PackEntry]:
+    """Members of the tar in ``raw`` (``kind``: a compressor, or "tar"), in its own order, as read.
 
     One forward pass: a file's ``read`` must be used up before the next entry is asked for (as
     ``write_tar`` does). Names follow the mount's path rule (tar: ``\\`` is no separator); the last
     of duplicate names wins, as for the mount and for ``tar -x``. Devices, FIFOs and other
     special entries are skipped with a warning. A damaged or truncated stream raises
     ArchiveFormatError naming the file; the rest of the decompressed stream is read, so its own
-    checksum (gzip's CRC-32, bzip2's, xz's check) has been verified once the last entry is out.
+    checksum (gzip's CRC-32, bzip2's, xz's check, zstd's frame checksums) has been verified once
+    the last entry is out.
     """
+    what = "tar" if kind == "tar" else f"{kind}-compressed tar"
 
     def failed(exc: BaseException) -> ArchiveFormatError:
         detail = str(exc) or type(exc).__name__
-        return ArchiveFormatError(f"{where}: cannot read this {kind}-compressed tar ({detail})")
+        return ArchiveFormatError(f"{where}: cannot read this {what} ({detail})")
 
     def chunks(tf: tarfile.TarFile, member: tarfile.TarInfo) -> Callable[[], Iterator[bytes]]:
         def read() -> Iterator[bytes]:
@@ -531,7 +583,7 @@ class _SeekableZstdSink(_TarSink):
 
 
 def write_tar(
-    entries: Iterable[PackEntry], sink: _TarSink, progress: Progress | None, total: int
+    entries: Iterable[PackEntry], sink: _TarSink, progress: Progress | None, total: int | None
 ) -> MemberTable:
     """The tar stream of ``entries`` into ``sink``; returns the member table (data offsets included)."""
     members = MemberTable()
@@ -700,15 +752,24 @@ def pack(
         raise UsageError(f"{out}: already exists (use --force to overwrite)")
     if os.path.isdir(out) and not os.path.islink(out):
         raise UsageError(f"{out}: is a directory")
-    remote = "://" in src  # an archive URI (s3://...): opened like any archive
-    if not remote and not os.path.exists(src):
-        raise UsageError(f"{src}: no such file or directory")
-    if not remote and os.path.exists(out) and os.path.samefile(src, out):
-        raise UsageError("the output would overwrite the source")
-    stream = None if remote or os.path.isdir(src) else compressed_tar_kind(src)
+    pipe = None
+    if src == STDIN:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise UsageError("'-' reads a tar from standard input, which is a terminal: pipe one in")
+        pipe = _Pipe(sys.stdin.buffer)
+        stream: str | None = pipe.kind()
+        where = "standard input"
+    else:
+        remote = "://" in src  # an archive URI (s3://...): opened like any archive
+        if not remote and not os.path.exists(src):
+            raise UsageError(f"{src}: no such file or directory")
+        if not remote and os.path.exists(out) and os.path.samefile(src, out):
+            raise UsageError("the output would overwrite the source")
+        stream = None if remote or os.path.isdir(src) else compressed_tar_kind(src)
+        where = src
     if stream is not None and kind == "zip":
         raise UsageError(
-            f"{src}: a {stream}-compressed tar converts in one pass to .tar.zst or .tar only "
+            f"{where}: a tar read as a stream converts in one pass to .tar.zst or .tar only "
             "(its hard links would need bytes read before); pack the .tar.zst into a .zip from there"
         )
     threads = max(1, threads or os.cpu_count() or 1)
@@ -718,20 +779,23 @@ def pack(
     changed: list[str] = []
     try:
         entries: Iterable[PackEntry]
-        if not remote and os.path.isdir(src):
+        if stream is not None:
+            # One pass, no list: progress goes by (compressed) bytes read, counts are taken on the way.
+            if pipe is not None:
+                source, total, at = pipe, None, lambda: pipe.pos
+            else:
+                source = raw = open(src, "rb")  # noqa: SIM115 - closed in the finally below
+                total, at = os.fstat(raw.fileno()).st_size, raw.tell
+            tally = StreamTally()
+            entries = tally.count(entries_from_tar_stream(source, where, stream))
+            if progress is not None:
+                report = progress
+                progress = lambda done, _total: report(at(), total)  # noqa: E731
+        elif os.path.isdir(src):
             # An output inside the directory (overwritten with --force) is not packed into itself.
             skip = os.path.join(os.path.abspath(src), _inside(src, out))
             entries = listed = entries_from_directory(src, skip=skip, changed=changed)
             total = sum(e.size for e in listed if e.kind == FILE)
-        elif stream is not None:
-            # One pass, no list: progress goes by compressed bytes read, counts are taken on the way.
-            raw = open(src, "rb")  # noqa: SIM115 - closed in the finally below
-            total = os.fstat(raw.fileno()).st_size
-            tally = StreamTally()
-            entries = tally.count(entries_from_compressed_tar(raw, src, stream))
-            if progress is not None:
-                report, at = progress, raw.tell
-                progress = lambda done, _total: report(at(), total)  # noqa: E731
         else:
             from cdmlfs.archive import Archive
 

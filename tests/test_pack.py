@@ -402,3 +402,40 @@ def test_damaged_compressed_tars_fail_with_one_line_and_no_output(src: Path, tmp
     assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
     res = run_cli("pack", "-q", str(good), str(tmp_path / "o.zip"))
     assert res.returncode == 2 and b".tar.zst" in res.stderr and not (tmp_path / "o.zip").exists()
+
+
+@pytest.mark.parametrize("compress", [None, "gzip", "zstd"])
+def test_a_tar_stream_on_standard_input(compress: str | None, src: Path, tmp_path: Path) -> None:
+    """``cdmlfs pack - OUT`` (say ``aws s3 cp s3://b/k.tar.gz - | cdmlfs pack - OUT``): what the
+    stream is comes from its first bytes; a damaged zstd frame (its checksum) stops the pack."""
+    cmd = {None: None, "gzip": COMPRESSORS["gzip"], "zstd": ["zstd", "-q", "-c"]}[compress]
+    piped = gnu_tar(tmp_path / "in", src, "pax", cmd)
+    out = tmp_path / "o.tar.zst"
+    with open(piped, "rb") as stdin:
+        res = run_cli("pack", "-q", "-", str(out), stdin=stdin)
+    assert res.returncode == 0, res.stderr.decode()
+    _same_tree(tree(extract(out, tmp_path / "x")), tree(src))
+    if compress == "zstd":
+        _flip(piped, piped.stat().st_size // 2)
+        with open(piped, "rb") as stdin:
+            res = run_cli("pack", "-q", "-", str(tmp_path / "bad.tar.zst"), stdin=stdin)
+        err = res.stderr.decode().strip()
+        assert res.returncode == 1 and "standard input" in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / "bad.tar.zst").exists()
+
+
+def test_standard_input_refusals_are_one_line(src: Path, tmp_path: Path) -> None:
+    as_zip = tmp_path / "in.zip"
+    with zipfile.ZipFile(as_zip, "w") as zf:
+        zf.writestr("a.txt", b"a")
+    tar = gnu_tar(tmp_path / "in.tar", src)
+    for stdin_path, out, code, says in (
+        (as_zip, "o.tar.zst", 2, "ZIP cannot be read from a pipe"),
+        (Path(os.devnull), "o.tar.zst", 2, "standard input is empty"),
+        (tar, "o.zip", 2, ".tar.zst or .tar only"),
+    ):
+        with open(stdin_path, "rb") as stdin:
+            res = run_cli("pack", "-q", "-", str(tmp_path / out), stdin=stdin)
+        err = res.stderr.decode().strip()
+        assert res.returncode == code and says in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / out).exists()
