@@ -526,7 +526,7 @@ class _SeekableZstdSink(_TarSink):
         self._inflight: deque[tuple[Future | bytes, int]] = deque()
         self._max_inflight = 2 * threads
 
-    def _compress(self, data: bytes) -> bytes:
+    def _compress(self, data: bytes | bytearray | memoryview) -> bytes:
         cctx = getattr(self._local, "cctx", None)
         if cctx is None:
             cctx = self._local.cctx = zstandard.ZstdCompressor(
@@ -534,7 +534,7 @@ class _SeekableZstdSink(_TarSink):
             )
         return cctx.compress(data)
 
-    def _cut(self, data: bytes) -> None:
+    def _cut(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
             return
         job: Future | bytes = self._pool.submit(self._compress, data) if self._pool else self._compress(data)
@@ -550,25 +550,31 @@ class _SeekableZstdSink(_TarSink):
 
     def member_start(self, total: int) -> None:
         if total <= self._frame_size and len(self._buf) + total > self._frame_size:
-            self._cut(bytes(self._buf))
-            self._buf = bytearray()
+            self._cut_buffer()
+
+    def _cut_buffer(self) -> None:
+        """Hand the frame being gathered to the compressor as it is (never touched again: no copy)."""
+        data, self._buf = self._buf, bytearray()
+        self._cut(data)
 
     def write(self, data: bytes | memoryview) -> None:
-        self._buf += data
         size = self._frame_size
-        if len(self._buf) >= size:
-            view = memoryview(self._buf)
-            pos = 0
-            while len(self._buf) - pos >= size:
-                self._cut(bytes(view[pos : pos + size]))
-                pos += size
-            rest = bytes(view[pos:])
-            view.release()
-            self._buf = bytearray(rest)
+        if len(self._buf) + len(data) < size:
+            self._buf += data
+            return
+        view = memoryview(data)
+        take = size - len(self._buf)
+        self._buf += view[:take]
+        self._cut_buffer()
+        view = view[take:]
+        while len(view) >= size:
+            # Slices of immutable bytes go as they are; anything else may change under the compressor.
+            self._cut(view[:size] if isinstance(data, bytes) else bytes(view[:size]))
+            view = view[size:]
+        self._buf += view
 
     def close(self, members: MemberTable) -> None:
-        self._cut(bytes(self._buf))
-        self._buf = bytearray()
+        self._cut_buffer()
         while self._inflight:
             self._drain_one()
         if self._pool is not None:
