@@ -26,11 +26,12 @@ Sources: a directory (walked in name order; hard links detected by inode;
 sockets, devices and FIFOs skipped with a warning), any archive cdmlfs
 opens (ZIP, tar, tar.zst; members are read in archive order, so a
 single-frame tar.zst is decoded exactly once), a gzip, bzip2 or xz
-compressed tar (.tar.gz, .tgz, .tar.bz2, .tar.xz), or ``-``: a tar stream on
-standard input (plain, gzip, bzip2, xz or zstd; ``aws s3 cp s3://b/k.tar.gz - |
-cdmlfs pack - out.tar.zst``). Streams are converted in one pass with nothing
-extracted to disk: ``tarfile`` reads them over the decompressor, which checks
-the stream's own checksums (read to the end of the stream for that). ZIP output
+compressed tar (.tar.gz, .tgz, .tar.bz2, .tar.xz; a local path or an S3 URI),
+or ``-``: a tar stream on standard input (plain, gzip, bzip2, xz or zstd).
+Streams are converted in one pass with nothing extracted to disk, read by the
+mount's own tar parser (same names, types and rules as a mount of the .tar);
+every compressed stream of the file is checked (read to its end for that), and
+anything but zero padding after one must be another sound stream. ZIP output
 has no hard links: they become copies; a stream converts to .tar.zst or .tar
 only (its hard links would need their target's bytes a second time). Mtimes are
 stored in whole seconds; ZIP can only hold 1980..2107 (exactly: 1901..2038),
@@ -42,7 +43,6 @@ from __future__ import annotations
 import bz2
 import contextlib
 import errno
-import gzip
 import logging
 import lzma
 import math
@@ -50,7 +50,6 @@ import os
 import stat as statmod
 import struct
 import sys
-import tarfile
 import threading
 import time
 import zipfile
@@ -71,6 +70,7 @@ from cdmlfs.formats.tar import EMBEDDED_INDEX_NIBBLE, encode_embedded_index
 from cdmlfs.formats.tarmembers import HARDLINK, MemberTable
 from cdmlfs.index import DIR, FILE, SYMLINK
 from cdmlfs.safe_write import is_under
+from cdmlfs.sources.base import Source, SourceRange
 from cdmlfs.zstd_seekable import seek_table_frame, skippable_frame
 
 log = logging.getLogger(__name__)
@@ -298,27 +298,133 @@ def entries_from_archive(archive) -> list[PackEntry]:
 
 
 STDIN = "-"  # pack's source name for a tar stream on standard input
-
-# A tar read as one stream: the decompressor for each kind (`compressed_kind` names the first
-# three; "zstd" and a plain "tar" come from standard input, a local file of theirs is opened as an
-# archive with random access instead).
-_DECOMPRESSORS: dict[str, Callable] = {
-    "gzip": lambda f: gzip.GzipFile(fileobj=f, mode="rb"),
-    "bzip2": lambda f: bz2.BZ2File(f, "rb"),
-    "xz": lambda f: lzma.LZMAFile(f, "rb"),  # noqa: SIM115 - closed by entries_from_tar_stream
-    "zstd": lambda f: zstandard.ZstdDecompressor().stream_reader(f, read_across_frames=True),
-    "tar": lambda f: f,
-}
-# What a damaged or truncated stream raises (gzip.BadGzipFile and bz2's errors are OSErrors).
-_STREAM_ERRORS = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError, OSError)
+STREAM_CHUNK = 1 << 20  # compressed bytes per read, and decompressed bytes per decompress call
+STREAM_CACHE = 64 << 20  # blocks of a remote stream source (S3 reads ahead into it)
+# What a damaged or truncated stream raises (gzip's and bz2's errors are OSErrors or EOFErrors).
+_STREAM_ERRORS = (EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError, OSError)
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+class _Decompressed:
+    """The decompressed bytes of a gzip, bzip2 or xz file (every stream of a concatenation), read
+    forward, each stream's own check verified by the decompressor as it ends.
+
+    Strict where the standard library's file readers are lenient: they take a damaged later stream
+    for trailing garbage and stop quietly, which packed half an archive with success. Here only
+    zero bytes (xz stream padding, dd blocks) may follow a stream that is not another stream. Every
+    call makes at most ``n`` bytes, so a bomb costs no memory.
+    """
+
+    def __init__(self, raw, kind: str) -> None:
+        self._raw = raw
+        self._new = {
+            "gzip": lambda: zlib.decompressobj(31),  # 31: gzip wrapper, CRC-32 and length checked
+            "bzip2": bz2.BZ2Decompressor,
+            "xz": lambda: lzma.LZMADecompressor(lzma.FORMAT_XZ),
+        }[kind]
+        self._zlib = kind == "gzip"
+        self._dec = None
+        self._input = b""
+        self._streams = 0
+        self._ended = False
+
+    def _more_input(self) -> bytes:
+        data = self._raw.read(STREAM_CHUNK)
+        if not data and self._dec is not None:
+            raise EOFError("the compressed stream ends before its end marker (a truncated file?)")
+        return data
+
+    def _start(self) -> bool:
+        """Begin the next stream, after the zero padding; False at the end of the input."""
+        while True:
+            if not self._input:
+                self._input = self._raw.read(STREAM_CHUNK)
+                if not self._input:
+                    return False
+            if self._streams:
+                self._input = self._input.lstrip(b"\0")
+                if not self._input:
+                    continue
+            self._dec = self._new()
+            self._streams += 1
+            return True
+
+    def read(self, n: int) -> bytes:
+        """Up to ``n`` bytes; fewer only at the end of the input."""
+        out: list[bytes] = []
+        got = 0
+        while got < n and not self._ended:
+            if self._dec is None and not self._start():
+                self._ended = True
+                break
+            d = self._dec
+            if self._zlib:
+                if not self._input:
+                    self._input = self._more_input()
+                data = d.decompress(self._input, n - got)
+                self._input = d.unused_data if d.eof else d.unconsumed_tail
+            elif d.needs_input:
+                if not self._input:
+                    self._input = self._more_input()
+                data, self._input = d.decompress(self._input, max_length=n - got), b""
+            else:
+                data = d.decompress(b"", max_length=n - got)
+            if d.eof:
+                if not self._zlib:
+                    self._input = d.unused_data
+                self._dec = None
+            if data:
+                out.append(data)
+                got += len(data)
+        return b"".join(out)
+
+
+class _ForwardView:
+    """``read(pos, n)`` over a forward-only stream, as the tar scanner reads: positions never go
+    back before the last one asked for, and what is skipped is read and dropped."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self._at = 0  # stream position of _buf[0]
+        self._buf = b""
+
+    def read(self, pos: int, n: int) -> bytes:
+        if pos < self._at:
+            raise AssertionError(f"tar stream read at {pos}, behind {self._at}")  # a bug of ours
+        skip = pos - self._at
+        if skip >= len(self._buf):
+            skip -= len(self._buf)
+            self._buf = b""
+            while skip:
+                dropped = self._stream.read(min(skip, STREAM_CHUNK))
+                if not dropped:
+                    break
+                skip -= len(dropped)
+            self._at = pos - skip  # short of pos only at the stream's end
+        else:
+            self._buf = self._buf[skip:]
+            self._at = pos
+        if len(self._buf) < n:
+            parts = [self._buf]
+            have = len(self._buf)
+            while have < n and (more := self._stream.read(max(n - have, 64 << 10))):
+                parts.append(more)
+                have += len(more)
+            self._buf = b"".join(parts)
+        return self._buf[:n] if pos == self._at else b""
+
+    def drain(self) -> None:
+        """Read on to the stream's end (where a decompressor checks the last stream)."""
+        self._buf = b""
+        while self._stream.read(STREAM_CHUNK):
+            pass
 
 
 class _Pipe:
     """A forward-only input (standard input) whose first bytes are read ahead to tell what it holds;
     counts what it hands out, for progress."""
 
-    HEAD = 512
+    HEAD = th.BLOCK
 
     def __init__(self, f) -> None:
         self._f = f
@@ -337,13 +443,12 @@ class _Pipe:
         self.pos += len(data)
         return data
 
-    def close(self) -> None:
-        """Nothing to release: standard input is the caller's."""
-
     def kind(self) -> str:
         """What the stream is: a compressor's name, or "tar"; UsageError for what cannot stream."""
         if not self.head:
             raise UsageError("standard input is empty: pipe a tar (or .tar.gz, .tar.zst, ...) into it")
+        if th.looks_like_tar(self.head):  # first, as for files: a tar member may be named "BZh..."
+            return "tar"
         if self.head.startswith(b"PK\x03\x04"):
             raise UsageError("a ZIP cannot be read from a pipe (its directory is at its end): give its path")
         if self.head.startswith(_ZSTD_MAGIC):
@@ -354,39 +459,13 @@ class _Pipe:
         return kind or "tar"
 
 
-def compressed_tar_kind(path: str) -> str | None:
-    """'gzip', 'bzip2' or 'xz' when the local file ``path`` is compressed that way (by its magic)."""
-    try:
-        with open(path, "rb") as f:
-            kind = compressed_kind(f.read(8))
-    except OSError:
-        return None  # not ours to report here: opening it as an archive says what is wrong
+def stream_kind(head: bytes) -> str | None:
+    """'gzip', 'bzip2' or 'xz' when a file starting with ``head`` is a tar compressed that way
+    (which cdmlfs cannot mount, so pack reads it as a stream); None for anything else."""
+    if th.looks_like_tar(head):  # a plain tar whose first member is named "BZh..." is a tar
+        return None
+    kind = compressed_kind(head)
     return kind if kind in PACKABLE else None
-
-
-class _RecentBytes:
-    """A forward-only file that keeps its last few reads, to look back at the block tarfile stopped on."""
-
-    def __init__(self, f) -> None:
-        self._f = f
-        self.pos = 0
-        self._recent: deque[tuple[int, bytes]] = deque(maxlen=4)  # (start, data); tarfile reads 10 KiB
-
-    def read(self, n: int = -1) -> bytes:
-        data = self._f.read(n)
-        if data:
-            self._recent.append((self.pos, data))
-            self.pos += len(data)
-        return data
-
-    def block(self, at: int) -> bytes:
-        """The (up to) 512 bytes read at ``at``, b"" where the stream ended before them."""
-        out = b""
-        for start, data in self._recent:
-            lo, hi = max(at, start), min(at + th.BLOCK, start + len(data))
-            if lo < hi:
-                out += data[lo - start : hi - start]
-        return out
 
 
 class StreamTally:
@@ -407,73 +486,80 @@ class StreamTally:
 def entries_from_tar_stream(raw, where: str, kind: str) -> Iterator[PackEntry]:
     """Members of the tar in ``raw`` (``kind``: a compressor, or "tar"), in its own order, as read.
 
-    One forward pass: a file's ``read`` must be used up before the next entry is asked for (as
-    ``write_tar`` does). Names follow the mount's path rule (tar: ``\\`` is no separator); the last
-    of duplicate names wins, as for the mount and for ``tar -x``. Devices, FIFOs and other
-    special entries are skipped with a warning. A damaged or truncated stream raises
-    ArchiveFormatError naming the file; the rest of the decompressed stream is read, so its own
-    checksum (gzip's CRC-32, bzip2's, xz's check, zstd's frame checksums) has been verified once
-    the last entry is out.
+    One forward pass with the mount's own tar parser (:class:`cdmlfs.formats.tar.TarRecords`), so
+    names, types, pax and sparse members follow the same rules as a mount of the .tar; a file's
+    ``read`` must be used up before the next entry is asked for (as ``write_tar`` does). Names
+    follow the mount's path rule; the last of duplicate names wins, as for the mount and for
+    ``tar -x``. Damage raises ArchiveFormatError naming ``where``: a bad header, a stream that
+    fails its check or ends early, a member the tar ends inside. The rest of the stream is read
+    after the last entry, so its checksum has been verified once the last entry is out.
     """
+    from cdmlfs.formats.tar import TarRecords
+
     what = "tar" if kind == "tar" else f"{kind}-compressed tar"
 
     def failed(exc: BaseException) -> ArchiveFormatError:
         detail = str(exc) or type(exc).__name__
         return ArchiveFormatError(f"{where}: cannot read this {what} ({detail})")
 
-    def chunks(tf: tarfile.TarFile, member: tarfile.TarInfo) -> Callable[[], Iterator[bytes]]:
+    if kind == "zstd":
+        stream = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=False)
+    elif kind == "tar":
+        stream = raw
+    else:
+        stream = _Decompressed(raw, kind)
+    view = _ForwardView(stream)
+
+    def member_bytes(name: str, offset: int, size: int, sparse) -> Callable[[], Iterator[bytes]]:
+        # (position in the real file, stored bytes) runs: one for a plain file, a sparse one's data
+        # segments with the holes between them (zeros) otherwise.
+        runs = [(0, size)] if sparse is None else list(zip(sparse[0::2], sparse[1::2]))
+
         def read() -> Iterator[bytes]:
+            at, real = offset, 0
             try:
-                f = tf.extractfile(member)
-                assert f is not None  # a regular file
-                while data := f.read(READ_CHUNK):
-                    yield data
+                for start, length in runs:
+                    yield from _zeros(start - real)
+                    end = at + length
+                    while at < end:
+                        data = view.read(at, min(STREAM_CHUNK, end - at))
+                        if not data:
+                            raise ArchiveFormatError(
+                                f"{where}: the tar ends inside {name!r} (a truncated copy?)"
+                            )
+                        at += len(data)
+                        yield data
+                    real = start + length
+                yield from _zeros(size - real)
             except _STREAM_ERRORS as exc:
                 raise failed(exc) from None
 
         return read
 
-    stream = _DECOMPRESSORS[kind](raw)
-    seen = _RecentBytes(stream)
     try:
-        # A TarFile over a file object it did not open holds nothing to release; ``stream`` is
-        # closed below.
-        tf = tarfile.open(fileobj=seen, mode="r|", encoding="utf-8", errors="surrogateescape")  # noqa: SIM115
-        while True:
-            try:
-                member = tf.next()
-            except _STREAM_ERRORS as exc:
-                raise failed(exc) from None
-            if member is None:
-                # tarfile also ends quietly at a damaged header: only a zero block ends a tar.
-                if any(seen.block(tf.offset)):
-                    raise ArchiveFormatError(
-                        f"{where}: damaged tar header at byte {tf.offset:,} of the decompressed tar"
-                    )
-                break
-            name = pathrules.normalize(member.name, backslash_is_separator=False)
-            if not name:  # "./", what `tar -C DIR -c .` writes first, is the root: nothing to add
-                if not member.isdir():
-                    log.warning("%s: %r names the archive's root; skipped", where, member.name)
+        for member_kind, name, mode, mtime, size, offset, link, sparse in TarRecords(view):
+            path = pathrules.normalize(name, backslash_is_separator=False)
+            if not path:  # "./", what `tar -C DIR -c .` writes first, is the root: nothing to add
+                if member_kind != DIR:
+                    log.warning("%s: %r names the archive's root; skipped", where, name)
                 continue
-            mode = member.mode & 0o777  # never setuid, setgid or sticky (as the mount shows them)
-            if member.isreg():
-                yield PackEntry(name, FILE, mode, member.mtime, member.size, read=chunks(tf, member))
-            elif member.isdir():
-                yield PackEntry(name, DIR, mode, member.mtime)
-            elif member.issym():
-                yield PackEntry(name, SYMLINK, mode, member.mtime, link=member.linkname)
-            elif member.islnk():
-                target = pathrules.normalize(member.linkname, backslash_is_separator=False)
-                yield PackEntry(name, HARDLINK, mode, member.mtime, link=target)
-            else:
-                log.warning("%s: %s is a device, FIFO or other special entry; skipped", where, name)
-        while seen.read(READ_CHUNK):  # on to the stream's end, where its checksum is checked
-            pass
+            mode &= 0o777  # never setuid, setgid or sticky (as the mount shows them)
+            if member_kind == FILE:
+                yield PackEntry(path, FILE, mode, mtime, size, read=member_bytes(name, offset, size, sparse))
+            elif member_kind == HARDLINK:
+                target = pathrules.normalize(link, backslash_is_separator=False)
+                yield PackEntry(path, HARDLINK, mode, mtime, link=target)
+            else:  # DIR, SYMLINK
+                yield PackEntry(path, member_kind, mode, mtime, link=link)
+        view.drain()
+    except ArchiveFormatError as exc:
+        raise ArchiveFormatError(f"{where}: {exc}") if not str(exc).startswith(where) else exc from None
     except _STREAM_ERRORS as exc:
         raise failed(exc) from None
     finally:
-        stream.close()
+        with contextlib.suppress(*_STREAM_ERRORS):
+            if kind == "zstd":
+                stream.close()
 
 
 # -- tar stream ------------------------------------------------------------------------------
@@ -758,29 +844,58 @@ def pack(
         raise UsageError(f"{out}: already exists (use --force to overwrite)")
     if os.path.isdir(out) and not os.path.islink(out):
         raise UsageError(f"{out}: is a directory")
-    pipe = None
-    if src == STDIN:
-        if sys.stdin is None or sys.stdin.isatty():
-            raise UsageError("'-' reads a tar from standard input, which is a terminal: pipe one in")
-        pipe = _Pipe(sys.stdin.buffer)
-        stream: str | None = pipe.kind()
-        where = "standard input"
-    else:
-        remote = "://" in src  # an archive URI (s3://...): opened like any archive
-        if not remote and not os.path.exists(src):
-            raise UsageError(f"{src}: no such file or directory")
-        if not remote and os.path.exists(out) and os.path.samefile(src, out):
-            raise UsageError("the output would overwrite the source")
-        stream = None if remote or os.path.isdir(src) else compressed_tar_kind(src)
-        where = src
-    if stream is not None and kind == "zip":
-        raise UsageError(
-            f"{where}: a tar read as a stream converts in one pass to .tar.zst or .tar only "
-            "(its hard links would need bytes read before); pack the .tar.zst into a .zip from there"
-        )
+    pipe = source = None
+    stream: str | None = None
+    try:
+        if src == STDIN:
+            if sys.stdin is None or sys.stdin.isatty():
+                raise UsageError("'-' reads a tar from standard input, which is a terminal: pipe one in")
+            pipe = _Pipe(sys.stdin.buffer)
+            stream = pipe.kind()
+            where = "standard input"
+        else:
+            remote = "://" in src  # an archive URI (s3://...): opened like any archive
+            if not remote and not os.path.exists(src):
+                raise UsageError(f"{src}: no such file or directory")
+            if not remote and os.path.exists(out) and os.path.samefile(src, out):
+                raise UsageError("the output would overwrite the source")
+            if remote or not os.path.isdir(src):
+                source, stream = _open_if_stream(src, archive_options)
+            where = src
+        if stream is not None and kind == "zip":
+            raise UsageError(
+                f"{where}: a tar read as a stream converts in one pass to .tar.zst or .tar only "
+                "(its hard links would need bytes read before); pack the .tar.zst into a .zip from there"
+            )
+        return _pack(src, out, kind, level, frame_size, threads, progress, archive_options, pipe, source,
+                     stream, where)  # fmt: skip
+    finally:
+        if source is not None:
+            source.close()
+
+
+def _open_if_stream(src: str, options: dict) -> tuple[Source | None, str | None]:
+    """(the opened source, its compressor) when ``src`` (a path or URI) is a gzip, bzip2 or xz
+    compressed tar, which pack reads as one stream; (None, None) for anything else."""
+    from cdmlfs.cache import ExtentCache
+    from cdmlfs.sources import open_source
+
+    source = open_source(src, cache=ExtentCache(STREAM_CACHE), **options)
+    try:
+        kind = stream_kind(source.read_at(0, min(th.BLOCK, source.size)))
+    except BaseException:
+        source.close()
+        raise
+    if kind is None:
+        source.close()
+        return None, None
+    return source, kind
+
+
+def _pack(src, out, kind, level, frame_size, threads, progress, archive_options, pipe, source, stream, where):
+    """pack() once its arguments are checked and a stream source is open."""
     threads = max(1, threads or os.cpu_count() or 1)
     archive = None
-    raw = None
     tally = None
     changed: list[str] = []
     try:
@@ -788,12 +903,13 @@ def pack(
         if stream is not None:
             # One pass, no list: progress goes by (compressed) bytes read, counts are taken on the way.
             if pipe is not None:
-                source, total, at = pipe, None, lambda: pipe.pos
+                raw, total, at = pipe, None, lambda: pipe.pos
             else:
-                source = raw = open(src, "rb")  # noqa: SIM115 - closed in the finally below
-                total, at = os.fstat(raw.fileno()).st_size, raw.tell
+                read_to = [0]
+                raw = SourceRange(source, 0, source.size, on_read=lambda pos: read_to.__setitem__(0, pos))
+                total, at = source.size, lambda: read_to[0]
             tally = StreamTally()
-            entries = tally.count(entries_from_tar_stream(source, where, stream))
+            entries = tally.count(entries_from_tar_stream(raw, where, stream))
             if progress is not None:
                 report = progress
                 progress = lambda done, _total: report(at(), total)  # noqa: E731
@@ -845,8 +961,6 @@ def pack(
     finally:
         if archive is not None:
             archive.close()
-        if raw is not None:
-            raw.close()
     return {
         "members": tally.members if tally is not None else len(listed),
         "bytes": tally.bytes if tally is not None else total,

@@ -386,6 +386,24 @@ def test_damaged_compressed_tars_fail_with_one_line_and_no_output(src: Path, tmp
     tar_bytes[second] = ord("g")
     cases["bad-header.tar.gz"] = tmp_path / "bad-header.tar.gz"
     cases["bad-header.tar.gz"].write_bytes(gzip.compress(bytes(tar_bytes)))
+    # Two xz streams, the second damaged at its start: the standard library's reader took that
+    # for trailing garbage and converted the first half with success.
+    import subprocess
+
+    plain = gnu_tar(tmp_path / "p.tar", src)
+    with tarfile.open(plain) as tf:
+        cut = [m.offset for m in tf][3]  # a header: the first stream ends as a shorter tar would
+    first = subprocess.run(
+        ["xz", "-c", "-T1"], input=plain.read_bytes()[:cut], capture_output=True, check=True
+    )
+    second = bytearray(
+        subprocess.run(
+            ["xz", "-c", "-T1"], input=plain.read_bytes()[cut:], capture_output=True, check=True
+        ).stdout
+    )
+    second[20] ^= 0xFF
+    cases["bad-second-stream.tar.xz"] = tmp_path / "bad-second-stream.tar.xz"
+    cases["bad-second-stream.tar.xz"].write_bytes(first.stdout + bytes(second))
     cases["not-a-tar.tar.gz"] = tmp_path / "not-a-tar.tar.gz"
     cases["not-a-tar.tar.gz"].write_bytes(gzip.compress(b"just,some,csv\n" * 1000))
     for name, path in cases.items():
@@ -396,7 +414,7 @@ def test_damaged_compressed_tars_fail_with_one_line_and_no_output(src: Path, tmp
         assert "Traceback" not in err
         assert not out.exists(), name
     assert (
-        "damaged tar header"
+        "corrupt tar header"
         in run_cli("pack", "-q", str(cases["bad-header.tar.gz"]), str(tmp_path / "o.tar")).stderr.decode()
     )
     assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
@@ -439,3 +457,72 @@ def test_standard_input_refusals_are_one_line(src: Path, tmp_path: Path) -> None
         err = res.stderr.decode().strip()
         assert res.returncode == code and says in err and len(err.splitlines()) == 1, err
         assert not (tmp_path / out).exists()
+
+
+def _tar_of(path: Path, members: list[tuple[str, bytes, bytes, dict]]) -> Path:
+    """A pax tar of (name, type flag, data, pax records) written by Python's tarfile."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
+        for name, typ, data, pax in members:
+            info = tarfile.TarInfo(name)
+            info.type, info.size, info.mtime, info.pax_headers = typ, len(data), 1_600_000_000, pax
+            tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_a_stream_packs_as_the_same_tar_unpacked(tmp_path: Path) -> None:
+    """The stream path shares the mount's tar parser: GNU incremental dumps (``tar -g``: 'D'
+    entries, atime/ctime where ustar keeps a prefix), unknown type flags (shown as files), a
+    pre-POSIX directory, a NaN pax mtime, and concatenated xz streams convert exactly as the same
+    tar, uncompressed, does. A plain tar whose first name starts like a bzip2 stream stays a tar."""
+    import subprocess
+
+    src = tmp_path / "src"
+    (src / "emptydir").mkdir(parents=True)
+    (src / "plain.txt").write_bytes(b"plain\n" * 100)
+    incremental = tmp_path / "incr.tar"
+    subprocess.run(
+        ["tar", "-g", str(tmp_path / "snar"), "-cf", str(incremental), "-C", str(src), "."], check=True
+    )
+    odd = _tar_of(
+        tmp_path / "odd.tar",
+        [
+            ("unknown.bin", b"Z", b"zzzzz", {}),
+            ("v7dir/", b"0", b"", {}),
+            ("cont.bin", b"7", b"contiguous", {}),
+            ("nan.txt", b"0", b"nan mtime", {"mtime": "nan"}),
+        ],
+    )
+    bzh = _tar_of(tmp_path / "bzh.tar", [("BZh91AY&SY.txt", b"0", b"looks like bzip2", {})])
+    two_streams = tmp_path / "two.tar.xz"
+    data = odd.read_bytes()
+    xz = ["xz", "-c", "-T1"]
+    two_streams.write_bytes(
+        subprocess.run(xz, input=data[:1536], capture_output=True, check=True).stdout
+        + subprocess.run(xz, input=data[1536:], capture_output=True, check=True).stdout
+    )
+    for plain, compressed in (
+        (incremental, gnu_tar_copy(incremental, COMPRESSORS["gzip"])),
+        (odd, gnu_tar_copy(odd, COMPRESSORS["bzip2"])),
+        (odd, two_streams),
+        (bzh, bzh),
+    ):
+        want = tree(extract(cdmlfs_pack(plain, tmp_path / "a.tar", "--force"), tmp_path / "a"))
+        got = tree(extract(cdmlfs_pack(compressed, tmp_path / "b.tar", "--force"), tmp_path / "b"))
+        assert got == want, compressed.name
+        assert got, compressed.name
+        for d in ("a", "b"):
+            subprocess.run(["rm", "-rf", str(tmp_path / d)], check=True)
+    assert "emptydir" in tree(extract(cdmlfs_pack(incremental, tmp_path / "c.tar"), tmp_path / "c"))
+
+
+def gnu_tar_copy(tar: Path, compress: list[str]) -> Path:
+    """``tar`` piped through a compressor, beside it."""
+    import subprocess
+
+    out = tar.with_name(f"{tar.name}.{compress[0]}")
+    with open(tar, "rb") as f, open(out, "wb") as o:
+        subprocess.run(compress, stdin=f, stdout=o, check=True)
+    return out

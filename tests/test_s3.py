@@ -592,3 +592,31 @@ def test_cli_s3_options_shape_the_requests(moto_s3, proxy_to, tmp_path: Path) ->
     assert all(auth and "Credential=AKIDTEAM/" in auth for *_, auth in seen)
     # --addressing-style path, asked for: the same as the default with an endpoint.
     assert all(path.startswith("/opts/") for _, path, *_ in requests("--addressing-style", "path"))
+
+
+def test_pack_converts_a_tar_gz_on_s3_as_one_stream(localbucket_s3, proxy_to, tmp_path: Path) -> None:
+    """`cdmlfs pack s3://b/k.tar.gz OUT` reads the object once, front to back, through the block
+    layer (no local copy of it), and writes the same tree a local pack of the file writes."""
+    import tarfile
+
+    src = tmp_path / "tree"
+    rng = random.Random(3)
+    for i in range(30):
+        p = src / f"c{i % 3}" / f"f{i:02d}.bin"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(rng.randbytes(rng.randrange(1000, 90_000)))
+    local = tmp_path / "t.tar.gz"
+    with tarfile.open(local, "w:gz") as tf:
+        tf.add(src, arcname=".")
+    localbucket_s3.put("tars", "t.tar.gz", local)
+    out = tmp_path / "from-s3.tar.zst"
+    proxy = proxy_to(localbucket_s3)
+    res = run_cli("pack", "-q", "--endpoint-url", proxy.url, "s3://tars/t.tar.gz", str(out))
+    assert res.returncode == 0, res.stderr.decode()
+    size = local.stat().st_size
+    assert size <= proxy.stats.body_bytes <= size + (1 << 20)  # the object once (and the sniffed head)
+    with Archive(str(out), index_dir=str(tmp_path / "idx")) as ar:
+        names = ar.files()
+        assert len(names) == 30
+        for name in names:
+            assert ar.read(name) == (src / name).read_bytes(), name

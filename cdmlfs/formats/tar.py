@@ -52,7 +52,7 @@ import logging
 import struct
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from cdmlfs.errors import ArchiveFormatError
 from cdmlfs.formats import tarheader as th
@@ -138,138 +138,166 @@ def scan_tar(view, members: MemberTable) -> int:
     ``view.read(pos, n)`` returns up to ``n`` bytes of the decoded stream at
     ``pos`` (fewer only at its end); ``pos`` only moves forward.
     """
-    pos = 0
-    pax: dict[str, bytes] = {}
-    global_pax: dict[str, bytes] = {}
-    long_name: bytes | None = None
-    long_link: bytes | None = None
-    stats = _ScanStats()
-    read = view.read
+    records = TarRecords(view)
     append = members.append
-    while True:
-        block = read(pos, th.BLOCK)
-        if len(block) < th.BLOCK:
-            if pos == 0:
-                raise ArchiveFormatError("not a tar archive (the stream is shorter than one header)")
-            if block:
-                log.warning("tar stream is truncated at offset %d: listing what came before", pos)
-            break  # ended on a block boundary without the end-of-archive blocks: accepted like GNU tar
-        if block == th.ZERO_BLOCK:
-            nxt = read(pos + th.BLOCK, th.BLOCK)
-            if nxt and nxt != th.ZERO_BLOCK[: len(nxt)]:
-                # GNU tar stops here too ("A lone zero block"); only tar -i would read on.
-                log.warning("a lone zero block at offset %d ends the listing, as it does for tar -x", pos)
-            break  # end of archive: two zero blocks (or one and the end of the stream)
-        try:
-            h = th.parse_header(block)
-        except th.TarHeaderError as exc:
-            if pos == 0:
-                raise ArchiveFormatError(f"not a tar archive ({exc})") from None
-            raise ArchiveFormatError(f"corrupt tar header at offset {pos} of the tar stream: {exc}") from None
-        typeflag = h.typeflag
-        if not 0 <= h.size <= MAX_MEMBER_SIZE:
-            # base-256 sizes can be negative or above 2**64: a negative one moved the scan backwards
-            # (an endless loop for types that store no member), a huge one overflowed the size column.
-            raise ArchiveFormatError(f"tar header at offset {pos} declares an impossible size ({h.size})")
-        header_end = pos + th.BLOCK
-        old_sparse: list[int] | None = None
-        if typeflag == th.GNU_SPARSE:
-            old_sparse = th.old_gnu_sparse_entries(block, 386, 4)
-        if h.old_gnu_sparse_extended:  # old GNU sparse maps continue in extra header blocks
-            while True:
-                ext = read(header_end, th.BLOCK)
-                header_end += th.BLOCK
-                if len(ext) < th.BLOCK:
-                    break
-                if old_sparse is not None and len(old_sparse) <= 2 * MAX_SPARSE_SEGMENTS:
-                    old_sparse += th.old_gnu_sparse_entries(ext, 0, 21)
-                if not ext[504]:
-                    break
-        if typeflag in _META_TYPES:
-            if h.size > MAX_META_MEMBER:
-                raise ArchiveFormatError(f"tar extension header at offset {pos} is {h.size} bytes long")
-            data = read(header_end, h.size)
-            if len(data) < h.size:
-                log.warning("tar stream is truncated at offset %d: listing what came before", pos)
-                break
+    for kind, name, mode, mtime, size, offset, link, sparse in records:
+        append(kind, name, mode, mtime, size, offset, link, sparse=sparse)
+    return records.end
+
+
+class TarRecords:
+    """The members of a tar stream, one tuple each as its header is read: (kind, name, mode, mtime,
+    size, offset, link, sparse), ``offset`` where its bytes start in the stream.
+
+    Lazy, so that a reader of the stream itself (``cdmlfs pack`` from a pipe) can take a member's
+    bytes before the next header is read: every reader of the tar format then shares one parser and
+    one set of rules (names, types, pax, sparse maps, bad headers). ``end``: where the tar ended,
+    once iterated to the end.
+    """
+
+    def __init__(self, view) -> None:
+        self._view = view
+        self.end = 0
+
+    def __iter__(self) -> Iterator[tuple[int, str, int, float, int, int, str, array | None]]:
+        yield from self._scan(self._view)
+
+    def _scan(self, view) -> Iterator[tuple[int, str, int, float, int, int, str, array | None]]:
+        pos = 0
+        pax: dict[str, bytes] = {}
+        global_pax: dict[str, bytes] = {}
+        long_name: bytes | None = None
+        long_link: bytes | None = None
+        stats = _ScanStats()
+        read = view.read
+        while True:
+            block = read(pos, th.BLOCK)
+            if len(block) < th.BLOCK:
+                if pos == 0:
+                    raise ArchiveFormatError("not a tar archive (the stream is shorter than one header)")
+                if block:
+                    log.warning("tar stream is truncated at offset %d: listing what came before", pos)
+                break  # ended on a block boundary without the end-of-archive blocks: accepted like GNU tar
+            if block == th.ZERO_BLOCK:
+                nxt = read(pos + th.BLOCK, th.BLOCK)
+                if nxt and nxt != th.ZERO_BLOCK[: len(nxt)]:
+                    # GNU tar stops here too ("A lone zero block"); only tar -i would read on.
+                    log.warning("a lone zero block at offset %d ends the listing, as it does for tar -x", pos)
+                break  # end of archive: two zero blocks (or one and the end of the stream)
             try:
-                if typeflag == th.GNU_LONGNAME:
-                    long_name = th._cstr(data)
-                elif typeflag == th.GNU_LONGLINK:
-                    long_link = th._cstr(data)
-                elif typeflag == th.PAX_GLOBAL:
-                    for key, value in th.parse_pax(data).items():
-                        if key in _PER_MEMBER_ONLY:
-                            continue
-                        if value:
-                            global_pax[key] = value
-                        else:
-                            global_pax.pop(key, None)
-                else:
-                    pax.update(th.parse_pax(data))
+                h = th.parse_header(block)
             except th.TarHeaderError as exc:
-                raise ArchiveFormatError(f"corrupt pax header at offset {pos}: {exc}") from None
-            pos = header_end + th.round_up(h.size)
-            continue
-        attrs = {**global_pax, **pax} if global_pax else pax
-        size = h.size
-        mtime: float = h.mtime
-        if attrs:
-            size, mtime = _pax_numbers(attrs, size, mtime, pos)
-        if not 0 <= size <= MAX_MEMBER_SIZE:
-            raise ArchiveFormatError(f"tar header at offset {pos} gives an impossible size ({size})")
-        if not -MAX_MTIME <= mtime <= MAX_MTIME:  # also catches NaN: a timestamp must fit a stat field
-            mtime = 0.0
-        raw_name = attrs.get("path") or long_name or h.name
-        raw_link = attrs.get("linkpath") or long_link or h.linkname
-        name = th.decode_name(raw_name)
-        has_data = typeflag not in _NO_DATA_TYPES
-        data_off = header_end
-        pos = header_end + (th.round_up(size) if has_data else 0)
-        pax = {}
-        long_name = long_link = None
-        if old_sparse is not None or (
-            typeflag in (th.REGTYPE, th.AREGTYPE, th.CONTTYPE)
-            and any(k.startswith("GNU.sparse.") for k in attrs)
-        ):
-            sparse_name = attrs.get("GNU.sparse.name")
-            if sparse_name:  # formats 0.1 and 1.0 keep the real name here ("./GNUSparseFile.123/x")
-                name = th.decode_name(sparse_name)
-            try:
-                real, segments, skip = _sparse_layout(old_sparse, attrs, block, data_off, size, read)
-                stats.sparse_segments += len(segments) // 2
-                if stats.sparse_segments > MAX_SPARSE_TOTAL:
-                    raise _BadSparse(f"the archive's sparse maps pass {MAX_SPARSE_TOTAL} segments")
-            except _BadSparse as exc:
-                stats.sparse += 1
-                log.warning("skipping member %r: %s", name, exc)
+                if pos == 0:
+                    raise ArchiveFormatError(f"not a tar archive ({exc})") from None
+                raise ArchiveFormatError(
+                    f"corrupt tar header at offset {pos} of the tar stream: {exc}"
+                ) from None
+            typeflag = h.typeflag
+            if not 0 <= h.size <= MAX_MEMBER_SIZE:
+                # base-256 sizes can be negative or above 2**64: a negative one moved the scan backwards
+                # (an endless loop for types that store no member), a huge one overflowed the size column.
+                raise ArchiveFormatError(f"tar header at offset {pos} declares an impossible size ({h.size})")
+            header_end = pos + th.BLOCK
+            old_sparse: list[int] | None = None
+            if typeflag == th.GNU_SPARSE:
+                old_sparse = th.old_gnu_sparse_entries(block, 386, 4)
+            if h.old_gnu_sparse_extended:  # old GNU sparse maps continue in extra header blocks
+                while True:
+                    ext = read(header_end, th.BLOCK)
+                    header_end += th.BLOCK
+                    if len(ext) < th.BLOCK:
+                        break
+                    if old_sparse is not None and len(old_sparse) <= 2 * MAX_SPARSE_SEGMENTS:
+                        old_sparse += th.old_gnu_sparse_entries(ext, 0, 21)
+                    if not ext[504]:
+                        break
+            if typeflag in _META_TYPES:
+                if h.size > MAX_META_MEMBER:
+                    raise ArchiveFormatError(f"tar extension header at offset {pos} is {h.size} bytes long")
+                data = read(header_end, h.size)
+                if len(data) < h.size:
+                    log.warning("tar stream is truncated at offset %d: listing what came before", pos)
+                    break
+                try:
+                    if typeflag == th.GNU_LONGNAME:
+                        long_name = th._cstr(data)
+                    elif typeflag == th.GNU_LONGLINK:
+                        long_link = th._cstr(data)
+                    elif typeflag == th.PAX_GLOBAL:
+                        for key, value in th.parse_pax(data).items():
+                            if key in _PER_MEMBER_ONLY:
+                                continue
+                            if value:
+                                global_pax[key] = value
+                            else:
+                                global_pax.pop(key, None)
+                    else:
+                        pax.update(th.parse_pax(data))
+                except th.TarHeaderError as exc:
+                    raise ArchiveFormatError(f"corrupt pax header at offset {pos}: {exc}") from None
+                pos = header_end + th.round_up(h.size)
                 continue
-            append(FILE, name, h.mode, mtime, real, data_off + skip, sparse=segments)
-            continue
-        if typeflag in (th.REGTYPE, th.AREGTYPE, th.CONTTYPE):
-            if name.endswith("/"):
-                append(DIR, name, h.mode, mtime, 0, 0)  # pre-POSIX tars mark directories with a slash
+            attrs = {**global_pax, **pax} if global_pax else pax
+            size = h.size
+            mtime: float = h.mtime
+            if attrs:
+                size, mtime = _pax_numbers(attrs, size, mtime, pos)
+            if not 0 <= size <= MAX_MEMBER_SIZE:
+                raise ArchiveFormatError(f"tar header at offset {pos} gives an impossible size ({size})")
+            if not -MAX_MTIME <= mtime <= MAX_MTIME:  # also catches NaN: a timestamp must fit a stat field
+                mtime = 0.0
+            raw_name = attrs.get("path") or long_name or h.name
+            raw_link = attrs.get("linkpath") or long_link or h.linkname
+            name = th.decode_name(raw_name)
+            has_data = typeflag not in _NO_DATA_TYPES
+            data_off = header_end
+            pos = header_end + (th.round_up(size) if has_data else 0)
+            pax = {}
+            long_name = long_link = None
+            if old_sparse is not None or (
+                typeflag in (th.REGTYPE, th.AREGTYPE, th.CONTTYPE)
+                and any(k.startswith("GNU.sparse.") for k in attrs)
+            ):
+                sparse_name = attrs.get("GNU.sparse.name")
+                if sparse_name:  # formats 0.1 and 1.0 keep the real name here ("./GNUSparseFile.123/x")
+                    name = th.decode_name(sparse_name)
+                try:
+                    real, segments, skip = _sparse_layout(old_sparse, attrs, block, data_off, size, read)
+                    stats.sparse_segments += len(segments) // 2
+                    if stats.sparse_segments > MAX_SPARSE_TOTAL:
+                        raise _BadSparse(f"the archive's sparse maps pass {MAX_SPARSE_TOTAL} segments")
+                except _BadSparse as exc:
+                    stats.sparse += 1
+                    log.warning("skipping member %r: %s", name, exc)
+                    continue
+                yield (FILE, name, h.mode, mtime, real, data_off + skip, "", segments)
+                continue
+            if typeflag in (th.REGTYPE, th.AREGTYPE, th.CONTTYPE):
+                if name.endswith("/"):  # pre-POSIX tars mark directories with a slash
+                    yield (DIR, name, h.mode, mtime, 0, 0, "", None)
+                else:
+                    yield (FILE, name, h.mode, mtime, size, data_off, "", None)
+            elif typeflag in (th.DIRTYPE, th.GNU_DUMPDIR):
+                yield (DIR, name, h.mode, mtime, 0, 0, "", None)
+            elif typeflag == th.SYMTYPE:
+                yield (SYMLINK, name, h.mode, mtime, 0, 0, th.decode_name(raw_link), None)
+            elif typeflag == th.LNKTYPE:
+                yield (HARDLINK, name, h.mode, mtime, 0, 0, th.decode_name(raw_link), None)
+            elif typeflag in (th.CHRTYPE, th.BLKTYPE, th.FIFOTYPE):
+                stats.devices += 1
+            elif typeflag == th.GNU_MULTIVOL:
+                stats.sparse += 1
+                log.warning("skipping member %r: multi-volume parts are not supported", name)
+            elif typeflag in (th.GNU_VOLHDR, th.GNU_OLD_LONGNAME):
+                stats.other += 1
             else:
-                append(FILE, name, h.mode, mtime, size, data_off)
-        elif typeflag in (th.DIRTYPE, th.GNU_DUMPDIR):
-            append(DIR, name, h.mode, mtime, 0, 0)
-        elif typeflag == th.SYMTYPE:
-            append(SYMLINK, name, h.mode, mtime, 0, 0, th.decode_name(raw_link))
-        elif typeflag == th.LNKTYPE:
-            append(HARDLINK, name, h.mode, mtime, 0, 0, th.decode_name(raw_link))
-        elif typeflag in (th.CHRTYPE, th.BLKTYPE, th.FIFOTYPE):
-            stats.devices += 1
-        elif typeflag == th.GNU_MULTIVOL:
-            stats.sparse += 1
-            log.warning("skipping member %r: multi-volume parts are not supported", name)
-        elif typeflag in (th.GNU_VOLHDR, th.GNU_OLD_LONGNAME):
-            stats.other += 1
-        else:
-            log.warning("member %r has unknown type %r: shown as a regular file (POSIX rule)", name, typeflag)
-            append(FILE, name, h.mode, mtime, size, data_off)
-    if stats.devices:
-        log.info("skipped %d device/FIFO members (not exposed by the mount)", stats.devices)
-    return pos
+                log.warning(
+                    "member %r has unknown type %r: shown as a regular file (POSIX rule)", name, typeflag
+                )
+                yield (FILE, name, h.mode, mtime, size, data_off, "", None)
+        if stats.devices:
+            log.info("skipped %d device/FIFO members (not exposed by the mount)", stats.devices)
+        self.end = pos
 
 
 class _BadSparse(ValueError):
