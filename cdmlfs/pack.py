@@ -71,7 +71,7 @@ from cdmlfs.formats.tarmembers import HARDLINK, MemberTable
 from cdmlfs.index import DIR, FILE, SYMLINK
 from cdmlfs.safe_write import is_under
 from cdmlfs.sources.base import Source, SourceRange
-from cdmlfs.zstd_seekable import seek_table_frame, skippable_frame
+from cdmlfs.zstd_seekable import FrameBoundary, seek_table_frame, skippable_frame
 
 log = logging.getLogger(__name__)
 
@@ -300,6 +300,9 @@ def entries_from_archive(archive) -> list[PackEntry]:
 STDIN = "-"  # pack's source name for a tar stream on standard input
 STREAM_CHUNK = 1 << 20  # compressed bytes per read, and decompressed bytes per decompress call
 STREAM_CACHE = 64 << 20  # blocks of a remote stream source (S3 reads ahead into it)
+# An xz header may declare a dictionary of up to 4 GiB, which the decoder then fills: xz -9 needs
+# 64 MiB. (zstd's decoder refuses windows over 128 MiB by default.)
+XZ_MEMLIMIT = 256 << 20
 # What a damaged or truncated stream raises (gzip's and bz2's errors are OSErrors or EOFErrors).
 _STREAM_ERRORS = (EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError, OSError)
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -320,7 +323,7 @@ class _Decompressed:
         self._new = {
             "gzip": lambda: zlib.decompressobj(31),  # 31: gzip wrapper, CRC-32 and length checked
             "bzip2": bz2.BZ2Decompressor,
-            "xz": lambda: lzma.LZMADecompressor(lzma.FORMAT_XZ),
+            "xz": lambda: lzma.LZMADecompressor(lzma.FORMAT_XZ, memlimit=XZ_MEMLIMIT),
         }[kind]
         self._zlib = kind == "gzip"
         self._dec = None
@@ -377,6 +380,20 @@ class _Decompressed:
                 out.append(data)
                 got += len(data)
         return b"".join(out)
+
+
+class _CheckedZstd:
+    """A zstd stream's compressed bytes, followed frame by frame as they are read (FrameBoundary),
+    so that an input cut short inside a frame is an error and not an early end of the tar."""
+
+    def __init__(self, raw) -> None:
+        self._raw = raw
+        self.frames = FrameBoundary()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._raw.read(n)
+        self.frames.feed(data)
+        return data
 
 
 class _ForwardView:
@@ -502,8 +519,10 @@ def entries_from_tar_stream(raw, where: str, kind: str) -> Iterator[PackEntry]:
         detail = str(exc) or type(exc).__name__
         return ArchiveFormatError(f"{where}: cannot read this {what} ({detail})")
 
+    checked = None
     if kind == "zstd":
-        stream = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=False)
+        checked = _CheckedZstd(raw)
+        stream = zstandard.ZstdDecompressor().stream_reader(checked, read_across_frames=True, closefd=False)
     elif kind == "tar":
         stream = raw
     else:
@@ -536,8 +555,9 @@ def entries_from_tar_stream(raw, where: str, kind: str) -> Iterator[PackEntry]:
 
         return read
 
+    records = TarRecords(view)
     try:
-        for member_kind, name, mode, mtime, size, offset, link, sparse in TarRecords(view):
+        for member_kind, name, mode, mtime, size, offset, link, sparse in records:
             path = pathrules.normalize(name, backslash_is_separator=False)
             if not path:  # "./", what `tar -C DIR -c .` writes first, is the root: nothing to add
                 if member_kind != DIR:
@@ -551,7 +571,13 @@ def entries_from_tar_stream(raw, where: str, kind: str) -> Iterator[PackEntry]:
                 yield PackEntry(path, HARDLINK, mode, mtime, link=target)
             else:  # DIR, SYMLINK
                 yield PackEntry(path, member_kind, mode, mtime, link=link)
+        if records.cut is not None:  # a mount lists what came before; a copy must not lose the rest
+            raise ArchiveFormatError(
+                f"the tar ends inside a header at offset {records.cut} (a truncated copy?)"
+            )
         view.drain()
+        if checked is not None and not checked.frames.at_boundary:
+            raise ArchiveFormatError("the zstd stream ends inside a frame (a truncated copy?)")
     except ArchiveFormatError as exc:
         raise ArchiveFormatError(f"{where}: {exc}") if not str(exc).startswith(where) else exc from None
     except _STREAM_ERRORS as exc:
@@ -831,7 +857,8 @@ def pack(
     progress: Progress | None = None,
     **archive_options,
 ) -> dict:
-    """Write ``src`` (a directory or an archive) to ``out``; returns a small summary for the CLI."""
+    """Write ``src`` (a directory, an archive, a compressed tar, or ``-``: a tar stream on standard
+    input) to ``out``; returns a small summary for the CLI."""
     kind = output_kind(out)
     if not 4096 <= frame_size <= MAX_FRAME_SIZE:
         raise UsageError("--frame-size must be between 4K and 1G")
@@ -848,7 +875,9 @@ def pack(
     stream: str | None = None
     try:
         if src == STDIN:
-            if sys.stdin is None or sys.stdin.isatty():
+            if sys.stdin is None:
+                raise UsageError("'-' reads a tar from standard input, which is closed: pipe one in")
+            if sys.stdin.isatty():
                 raise UsageError("'-' reads a tar from standard input, which is a terminal: pipe one in")
             pipe = _Pipe(sys.stdin.buffer)
             stream = pipe.kind()
@@ -867,8 +896,10 @@ def pack(
                 f"{where}: a tar read as a stream converts in one pass to .tar.zst or .tar only "
                 "(its hard links would need bytes read before); pack the .tar.zst into a .zip from there"
             )
-        return _pack(src, out, kind, level, frame_size, threads, progress, archive_options, pipe, source,
-                     stream, where)  # fmt: skip
+        return _pack(
+            src, out, kind, level=level, frame_size=frame_size, threads=threads, progress=progress,
+            archive_options=archive_options, pipe=pipe, source=source, stream=stream, where=where,
+        )  # fmt: skip
     finally:
         if source is not None:
             source.close()
@@ -892,8 +923,23 @@ def _open_if_stream(src: str, options: dict) -> tuple[Source | None, str | None]
     return source, kind
 
 
-def _pack(src, out, kind, level, frame_size, threads, progress, archive_options, pipe, source, stream, where):
-    """pack() once its arguments are checked and a stream source is open."""
+def _pack(
+    src: str,
+    out: str,
+    kind: str,
+    *,
+    level: int | None,
+    frame_size: int,
+    threads: int | None,
+    progress: Progress | None,
+    archive_options: dict,
+    pipe: _Pipe | None,
+    source: Source | None,
+    stream: str | None,
+    where: str,
+) -> dict:
+    """pack() once its arguments are checked: ``stream`` names the compressor (or "tar") of a
+    source read as one stream, ``pipe`` (standard input) or ``source`` (a file or object)."""
     threads = max(1, threads or os.cpu_count() or 1)
     archive = None
     tally = None

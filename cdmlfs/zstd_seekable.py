@@ -256,6 +256,78 @@ class FrameWalker:
         return end
 
 
+class FrameBoundary:
+    """Follows the frame, block and skippable-frame headers of zstd bytes fed in order, hopping
+    over payloads, to tell whether the bytes so far end on a frame boundary.
+
+    Why: zstd's streaming decoder takes input that stops inside a frame for a normal end, so a
+    truncated stream (a pipe cut short) would otherwise look complete wherever a block ended.
+    Malformed headers raise ArchiveFormatError (the decoder would refuse them too).
+    """
+
+    def __init__(self) -> None:
+        self._head = b""  # header bytes gathered so far
+        self._skip = 0  # payload bytes to pass before the next header
+        self._in_frame = False  # between a data frame's header and the end of its last block
+        self._checksum = False
+        self._pos = 0
+
+    @property
+    def at_boundary(self) -> bool:
+        return not (self._in_frame or self._head or self._skip)
+
+    def _want(self) -> int:
+        """Header bytes needed to decide what comes next."""
+        if self._in_frame:
+            return 3  # a block header
+        if len(self._head) < 5:
+            return 5  # magic and frame header descriptor
+        if is_skippable_magic(struct.unpack_from("<I", self._head)[0]):
+            return 8
+        fhd = self._head[4]
+        single = (fhd >> 5) & 1
+        return 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3] + ((1 if single else 0), 2, 4, 8)[fhd >> 6]
+
+    def feed(self, data: bytes | memoryview) -> None:
+        i, n = 0, len(data)
+        while i < n:
+            if self._skip:
+                take = min(self._skip, n - i)
+                self._skip -= take
+                i += take
+                continue
+            want = self._want()
+            take = min(want - len(self._head), n - i)
+            self._head += bytes(data[i : i + take])
+            i += take
+            if len(self._head) == want and want == self._want():
+                self._passed_header()
+        self._pos += n
+
+    def _passed_header(self) -> None:
+        head, self._head = self._head, b""
+        where = self._pos
+        if self._in_frame:
+            header = head[0] | (head[1] << 8) | (head[2] << 16)
+            block_type, size = (header >> 1) & 3, header >> 3
+            if block_type == 3 or size > BLOCK_MAX:
+                raise ArchiveFormatError(f"corrupt zstd block header near offset {where}")
+            self._skip = 1 if block_type == 1 else size
+            if header & 1:  # the last block: then the checksum, if the frame has one
+                self._skip += 4 if self._checksum else 0
+                self._in_frame = False
+            return
+        (magic,) = struct.unpack_from("<I", head)
+        if is_skippable_magic(magic):
+            self._skip = struct.unpack_from("<I", head, 4)[0]
+            return
+        try:
+            self._checksum = parse_frame_header(head, where).has_checksum
+        except ValueError as exc:
+            raise ArchiveFormatError(f"corrupt zstd stream: {exc}") from None
+        self._in_frame = True
+
+
 class _FrameBytes:
     """One frame's compressed bytes as a forward file object (what zstd's stream reader reads)."""
 

@@ -526,3 +526,110 @@ def gnu_tar_copy(tar: Path, compress: list[str]) -> Path:
     with open(tar, "rb") as f, open(out, "wb") as o:
         subprocess.run(compress, stdin=f, stdout=o, check=True)
     return out
+
+
+def test_a_truncated_stream_never_packs_part_of_the_archive() -> None:
+    """Cut anywhere, a compressed tar either fails (ArchiveFormatError) or gives every member
+    whole: never fewer members with success. zstd's stream decoder takes an input that stops inside
+    a frame for a normal end (a cut on a block boundary packed 1 member of 4); a tar that ends
+    inside a header is an error for pack (the mount lists what came before)."""
+    import bz2
+    import gzip
+    import io
+    import lzma
+    import random
+    import tarfile
+
+    import zstandard
+
+    from cdmlfs.errors import ArchiveFormatError
+    from cdmlfs.pack import entries_from_tar_stream
+
+    rng = random.Random(2)
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.GNU_FORMAT) as tf:
+        for name, size in (("a", 130_560), ("b", 5000), ("c", 200_000), ("d", 10)):
+            info = tarfile.TarInfo(name)
+            info.size = size
+            tf.addfile(info, io.BytesIO(rng.randbytes(size)))
+    tar = raw.getvalue()
+
+    def members(data: bytes, kind: str) -> dict[str, bytes]:
+        entries = entries_from_tar_stream(io.BytesIO(data), "x", kind)
+        return {e.name: b"".join(e.read()) if e.read else b"" for e in entries}
+
+    full = members(tar, "tar")
+    assert sorted(full) == ["a", "b", "c", "d"]
+    compress = {
+        "gzip": lambda b: gzip.compress(b, mtime=0),
+        "bzip2": bz2.compress,
+        "xz": lzma.compress,
+        "zstd": zstandard.ZstdCompressor(write_checksum=True).compress,
+    }
+    header_cut = 512 + 130_560 + 100  # inside the header of "b"
+    for kind, make in compress.items():
+        data = make(tar)
+        cuts = {rng.randrange(1, len(data)) for _ in range(40)} | set(range(len(data) - 12, len(data)))
+        for cut in sorted(cuts):
+            try:
+                got = members(data[:cut], kind)
+            except ArchiveFormatError:
+                continue
+            assert got == full, (kind, cut, sorted(got))
+        with pytest.raises(ArchiveFormatError, match="ends inside a header"):
+            members(make(tar[:header_cut]), kind)
+
+
+def test_an_xz_header_asking_for_a_huge_dictionary_is_refused(tmp_path: Path) -> None:
+    """xz decoders fill the dictionary a block header declares (up to 4 GiB): a 100 KB file took
+    750 MB of RSS. The decoder's memory is capped; the pack fails with one line."""
+    import lzma
+    import struct
+    import zlib
+
+    zeros = bytes(4 << 20)
+    data = bytearray(lzma.compress(_tar_of(tmp_path / "z.tar", [("z.bin", b"0", zeros, {})]).read_bytes(),
+                                   format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC32, preset=0))  # fmt: skip
+    block = 12  # the first block header follows the 12-byte stream header
+    size = (data[block] + 1) * 4
+    flags = data[block + 1]
+    assert not flags & 0xC0  # no compressed/uncompressed sizes: the filter flags come next
+    assert data[block + 2] == 0x21 and data[block + 3] == 1  # LZMA2, one property byte
+    data[block + 4] = 40  # dictionary size code 40: 4 GiB
+    data[block + size - 4 : block + size] = struct.pack(
+        "<I", zlib.crc32(bytes(data[block : block + size - 4]))
+    )
+    bomb = tmp_path / "dict.tar.xz"
+    bomb.write_bytes(bytes(data))
+    res = run_cli("pack", "-q", str(bomb), str(tmp_path / "o.tar.zst"))
+    err = res.stderr.decode().strip()
+    assert res.returncode == 1 and "limit" in err.lower() and len(err.splitlines()) == 1, err
+
+
+def test_a_bad_number_in_an_old_gnu_sparse_map_is_one_line(tmp_path: Path) -> None:
+    """A sparse map field that is no octal number: a traceback from ls, a mount and pack alike."""
+    import gzip
+    import subprocess
+
+    src = tmp_path / "src"
+    src.mkdir()
+    with open(src / "holes.bin", "wb") as f:
+        f.seek(1 << 20)
+        f.write(b"data")
+    tar = tmp_path / "s.tar"
+    subprocess.run(
+        ["tar", "--format=gnu", "--sparse", "-cf", str(tar), "-C", str(src), "holes.bin"], check=True
+    )
+    data = bytearray(tar.read_bytes())
+    pos = next(p for p in range(0, len(data), 512) if data[p + 156 : p + 157] == b"S")
+    header = data[pos : pos + 512]
+    header[386:398] = b"zzzzzzzzzzz\0"
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)
+    data[pos : pos + 512] = header
+    tar.write_bytes(bytes(data))
+    (tmp_path / "s.tar.gz").write_bytes(gzip.compress(bytes(data)))
+    for args in (("ls", str(tar)), ("pack", "-q", str(tmp_path / "s.tar.gz"), str(tmp_path / "o.tar.zst"))):
+        res = run_cli(*args)
+        err = res.stderr.decode().strip()
+        assert res.returncode == 1 and "corrupt tar header" in err and len(err.splitlines()) == 1, err

@@ -142,6 +142,8 @@ def scan_tar(view, members: MemberTable) -> int:
     append = members.append
     for kind, name, mode, mtime, size, offset, link, sparse in records:
         append(kind, name, mode, mtime, size, offset, link, sparse=sparse)
+    if records.cut is not None:
+        log.warning("tar stream is truncated at offset %d: listing what came before", records.cut)
     return records.end
 
 
@@ -158,6 +160,7 @@ class TarRecords:
     def __init__(self, view) -> None:
         self._view = view
         self.end = 0
+        self.cut: int | None = None  # where the stream ended inside a header or extension record
 
     def __iter__(self) -> Iterator[tuple[int, str, int, float, int, int, str, array | None]]:
         yield from self._scan(self._view)
@@ -176,7 +179,7 @@ class TarRecords:
                 if pos == 0:
                     raise ArchiveFormatError("not a tar archive (the stream is shorter than one header)")
                 if block:
-                    log.warning("tar stream is truncated at offset %d: listing what came before", pos)
+                    self.cut = pos  # a header cut short (scan_tar warns; pack refuses)
                 break  # ended on a block boundary without the end-of-archive blocks: accepted like GNU tar
             if block == th.ZERO_BLOCK:
                 nxt = read(pos + th.BLOCK, th.BLOCK)
@@ -199,24 +202,29 @@ class TarRecords:
                 raise ArchiveFormatError(f"tar header at offset {pos} declares an impossible size ({h.size})")
             header_end = pos + th.BLOCK
             old_sparse: list[int] | None = None
-            if typeflag == th.GNU_SPARSE:
-                old_sparse = th.old_gnu_sparse_entries(block, 386, 4)
-            if h.old_gnu_sparse_extended:  # old GNU sparse maps continue in extra header blocks
-                while True:
-                    ext = read(header_end, th.BLOCK)
-                    header_end += th.BLOCK
-                    if len(ext) < th.BLOCK:
-                        break
-                    if old_sparse is not None and len(old_sparse) <= 2 * MAX_SPARSE_SEGMENTS:
-                        old_sparse += th.old_gnu_sparse_entries(ext, 0, 21)
-                    if not ext[504]:
-                        break
+            try:
+                if typeflag == th.GNU_SPARSE:
+                    old_sparse = th.old_gnu_sparse_entries(block, 386, 4)
+                if h.old_gnu_sparse_extended:  # old GNU sparse maps continue in extra header blocks
+                    while True:
+                        ext = read(header_end, th.BLOCK)
+                        header_end += th.BLOCK
+                        if len(ext) < th.BLOCK:
+                            break
+                        if old_sparse is not None and len(old_sparse) <= 2 * MAX_SPARSE_SEGMENTS:
+                            old_sparse += th.old_gnu_sparse_entries(ext, 0, 21)
+                        if not ext[504]:
+                            break
+            except th.TarHeaderError as exc:  # a sparse map field that is no number
+                raise ArchiveFormatError(
+                    f"corrupt tar header at offset {pos} of the tar stream: {exc}"
+                ) from None
             if typeflag in _META_TYPES:
                 if h.size > MAX_META_MEMBER:
                     raise ArchiveFormatError(f"tar extension header at offset {pos} is {h.size} bytes long")
                 data = read(header_end, h.size)
                 if len(data) < h.size:
-                    log.warning("tar stream is truncated at offset %d: listing what came before", pos)
+                    self.cut = pos
                     break
                 try:
                     if typeflag == th.GNU_LONGNAME:
