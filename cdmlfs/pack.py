@@ -71,7 +71,7 @@ from cdmlfs.formats.tarmembers import HARDLINK, MemberTable
 from cdmlfs.index import DIR, FILE, SYMLINK
 from cdmlfs.safe_write import is_under
 from cdmlfs.sources.base import Source, SourceRange
-from cdmlfs.zstd_seekable import FrameBoundary, seek_table_frame, skippable_frame
+from cdmlfs.zstd_seekable import FrameBoundary, looks_like_zstd, seek_table_frame, skippable_frame
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +305,6 @@ STREAM_CACHE = 64 << 20  # blocks of a remote stream source (S3 reads ahead into
 XZ_MEMLIMIT = 256 << 20
 # What a damaged or truncated stream raises (gzip's and bz2's errors are OSErrors or EOFErrors).
 _STREAM_ERRORS = (EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError, OSError)
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 class _Decompressed:
@@ -366,12 +365,21 @@ class _Decompressed:
                     self._input = self._more_input()
                 data = d.decompress(self._input, n - got)
                 self._input = d.unused_data if d.eof else d.unconsumed_tail
-            elif d.needs_input:
-                if not self._input:
-                    self._input = self._more_input()
-                data, self._input = d.decompress(self._input, max_length=n - got), b""
             else:
-                data = d.decompress(b"", max_length=n - got)
+                try:
+                    if d.needs_input:
+                        if not self._input:
+                            self._input = self._more_input()
+                        data, self._input = d.decompress(self._input, max_length=n - got), b""
+                    else:
+                        data = d.decompress(b"", max_length=n - got)
+                except lzma.LZMAError as exc:
+                    if "limit" not in str(exc).lower():
+                        raise
+                    raise lzma.LZMAError(
+                        f"its dictionary needs more than {XZ_MEMLIMIT >> 20} MiB; decompress it with xz "
+                        "and pipe the tar in: xz -dc FILE | cdmlfs pack - OUT"
+                    ) from None
             if d.eof:
                 if not self._zlib:
                     self._input = d.unused_data
@@ -389,9 +397,11 @@ class _CheckedZstd:
     def __init__(self, raw) -> None:
         self._raw = raw
         self.frames = FrameBoundary()
+        self.exhausted = False  # the input's end was read
 
     def read(self, n: int = -1) -> bytes:
         data = self._raw.read(n)
+        self.exhausted = self.exhausted or not data
         self.frames.feed(data)
         return data
 
@@ -404,6 +414,7 @@ class _ForwardView:
         self._stream = stream
         self._at = 0  # stream position of _buf[0]
         self._buf = b""
+        self.ended_short: int | None = None  # where the stream ended before a position asked for
 
     def read(self, pos: int, n: int) -> bytes:
         if pos < self._at:
@@ -418,6 +429,8 @@ class _ForwardView:
                     break
                 skip -= len(dropped)
             self._at = pos - skip  # short of pos only at the stream's end
+            if skip and self.ended_short is None:
+                self.ended_short = self._at
         else:
             self._buf = self._buf[skip:]
             self._at = pos
@@ -468,7 +481,7 @@ class _Pipe:
             return "tar"
         if self.head.startswith(b"PK\x03\x04"):
             raise UsageError("a ZIP cannot be read from a pipe (its directory is at its end): give its path")
-        if self.head.startswith(_ZSTD_MAGIC):
+        if looks_like_zstd(self.head):  # a zstd frame, or a skippable one first (pzstd writes one)
             return "zstd"
         kind = compressed_kind(self.head)
         if kind is not None and kind not in PACKABLE:
@@ -571,15 +584,30 @@ def entries_from_tar_stream(raw, where: str, kind: str) -> Iterator[PackEntry]:
                 yield PackEntry(path, HARDLINK, mode, mtime, link=target)
             else:  # DIR, SYMLINK
                 yield PackEntry(path, member_kind, mode, mtime, link=link)
-        if records.cut is not None:  # a mount lists what came before; a copy must not lose the rest
+        # A mount lists what came before a cut; a copy must not lose the rest without a word.
+        if records.cut is not None:
             raise ArchiveFormatError(
-                f"the tar ends inside a header at offset {records.cut} (a truncated copy?)"
+                f"the tar ends inside a header at byte {records.cut:,} (a truncated copy?)"
+            )
+        if view.ended_short is not None:
+            raise ArchiveFormatError(
+                f"the tar ends at byte {view.ended_short:,}, inside a member's data (a truncated copy?)"
             )
         view.drain()
         if checked is not None and not checked.frames.at_boundary:
             raise ArchiveFormatError("the zstd stream ends inside a frame (a truncated copy?)")
+        if not records.marked:
+            # Every tar writer ends with zero blocks; without them the stream was most likely cut at a
+            # member boundary (cdmlfs pack's frames end on one). tar -x and a mount read such a tar.
+            raise ArchiveFormatError(
+                f"the tar stops at byte {records.end:,} without its end-of-archive blocks (a truncated "
+                "copy?); to keep what is there, decompress it to a .tar and pack or mount that"
+            )
     except ArchiveFormatError as exc:
-        raise ArchiveFormatError(f"{where}: {exc}") if not str(exc).startswith(where) else exc from None
+        why = str(exc)
+        if checked is not None and checked.exhausted and not checked.frames.at_boundary:
+            why = "the zstd stream ends inside a frame (a truncated copy?)"  # the tar saw only its effect
+        raise ArchiveFormatError(why if why.startswith(where) else f"{where}: {why}") from None
     except _STREAM_ERRORS as exc:
         raise failed(exc) from None
     finally:

@@ -301,12 +301,12 @@ class FrameBoundary:
             self._head += bytes(data[i : i + take])
             i += take
             if len(self._head) == want and want == self._want():
-                self._passed_header()
+                self._passed_header(self._pos + i - want)
         self._pos += n
 
-    def _passed_header(self) -> None:
+    def _passed_header(self, where: int) -> None:
+        """The header in ``_head`` (which started at offset ``where``) is whole: what follows it."""
         head, self._head = self._head, b""
-        where = self._pos
         if self._in_frame:
             header = head[0] | (head[1] << 8) | (head[2] << 16)
             block_type, size = (header >> 1) & 3, header >> 3

@@ -64,6 +64,16 @@ def _many_small_zip(path: Path, n: int, size: int = 2048, seed: int = 0) -> Path
     return path
 
 
+def _random_tree(root: Path, files: int, dirs: int, sizes: tuple[int, int], seed: int) -> Path:
+    """``files`` files of random bytes (sizes in [lo, hi)) spread over ``dirs`` folders."""
+    rng = random.Random(seed)
+    for i in range(files):
+        p = root / f"d{i % dirs}" / f"f{i:04d}.bin"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(rng.randbytes(rng.randrange(*sizes)))
+    return root
+
+
 def _assert_same(remote: Archive, local: Archive) -> None:
     assert remote.files() == local.files()
     for path in local.files():
@@ -456,12 +466,7 @@ def test_tar_zst_on_s3_remount_uses_the_persisted_index(
     decoding them in one pass); a remount downloads nothing but the opening suffix."""
     if not shutil.which(compressor) or not shutil.which("tar"):
         pytest.skip(f"needs tar and {compressor}")
-    src = tmp_path / "tree"
-    rng = random.Random(6)
-    for i in range(300):
-        p = src / f"d{i % 7}" / f"f{i:04d}.bin"
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(rng.randbytes(rng.randrange(1, 40_000)))
+    src = _random_tree(tmp_path / "tree", 300, 7, (1, 40_000), seed=6)
     tzst = tmp_path / "tree.tar.zst"
     plain = tmp_path / "tree.tar"
     subprocess.run(["tar", "-cf", str(plain), "-C", str(src), "."], check=True)
@@ -599,12 +604,7 @@ def test_pack_converts_a_tar_gz_on_s3_as_one_stream(localbucket_s3, proxy_to, tm
     layer (no local copy of it), and writes the same tree a local pack of the file writes."""
     import tarfile
 
-    src = tmp_path / "tree"
-    rng = random.Random(3)
-    for i in range(30):
-        p = src / f"c{i % 3}" / f"f{i:02d}.bin"
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(rng.randbytes(rng.randrange(1000, 90_000)))
+    src = _random_tree(tmp_path / "tree", 30, 3, (1000, 90_000), seed=3)
     local = tmp_path / "t.tar.gz"
     with tarfile.open(local, "w:gz") as tf:
         tf.add(src, arcname=".")

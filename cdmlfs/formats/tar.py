@@ -161,6 +161,7 @@ class TarRecords:
         self._view = view
         self.end = 0
         self.cut: int | None = None  # where the stream ended inside a header or extension record
+        self.marked = False  # the tar ended with its end-of-archive (zero) block, not just the stream
 
     def __iter__(self) -> Iterator[tuple[int, str, int, float, int, int, str, array | None]]:
         yield from self._scan(self._view)
@@ -178,14 +179,17 @@ class TarRecords:
             if len(block) < th.BLOCK:
                 if pos == 0:
                     raise ArchiveFormatError("not a tar archive (the stream is shorter than one header)")
-                if block:
+                if block.strip(b"\0"):
                     self.cut = pos  # a header cut short (scan_tar warns; pack refuses)
+                elif block:  # zeros where the end-of-archive blocks belong, cut short: as GNU tar, an end
+                    self.marked = True
                 break  # ended on a block boundary without the end-of-archive blocks: accepted like GNU tar
             if block == th.ZERO_BLOCK:
                 nxt = read(pos + th.BLOCK, th.BLOCK)
                 if nxt and nxt != th.ZERO_BLOCK[: len(nxt)]:
                     # GNU tar stops here too ("A lone zero block"); only tar -i would read on.
                     log.warning("a lone zero block at offset %d ends the listing, as it does for tar -x", pos)
+                self.marked = True
                 break  # end of archive: two zero blocks (or one and the end of the stream)
             try:
                 h = th.parse_header(block)
