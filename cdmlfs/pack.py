@@ -601,7 +601,13 @@ def entries_from_tar_stream(raw, where: str, kind: str) -> Iterator[PackEntry]:
             # member boundary (cdmlfs pack's frames end on one). tar -x and a mount read such a tar.
             raise ArchiveFormatError(
                 f"the tar stops at byte {records.end:,} without its end-of-archive blocks (a truncated "
-                "copy?); to keep what is there, decompress it to a .tar and pack or mount that"
+                "copy?); to keep what is there, save it as a .tar file and pack or mount that"
+            )
+        if records.lone_zero is not None:  # more tar data follows: a zeroed header, most likely
+            raise ArchiveFormatError(
+                f"a lone zero block at byte {records.lone_zero:,} ends the tar before the data after it "
+                "(a damaged header?); tar -x stops there too: save it as a .tar file to pack what is "
+                "before it"
             )
     except ArchiveFormatError as exc:
         why = str(exc)

@@ -675,3 +675,20 @@ def test_packed_output_cut_at_a_frame_boundary_is_refused_on_standard_input(
     assert res.returncode == 0, res.stderr.decode()
     assert consume(data) == whole
     _same_tree(tree(extract(tmp_path / "o.tar", tmp_path / "x")), tree(src))
+
+
+def test_a_lone_zero_block_stops_a_stream_pack_but_not_a_listing(tmp_path: Path) -> None:
+    """A zero block in place of a header (a zeroed header, most likely) ends the tar for tar -x and
+    the mount, with a warning; packed as a stream, the members after it would be lost: refused."""
+    tar = _tar_of(tmp_path / "t.tar", [(f"f{i}.txt", b"0", b"x" * 600, {}) for i in range(4)]).read_bytes()
+    second = 3 * 512  # header, 600 bytes padded to 1024: the second header
+    damaged = tmp_path / "lone.tar"
+    damaged.write_bytes(tar[:second] + bytes(512) + tar[second + 512 :])
+    with open(damaged, "rb") as stdin:
+        res = run_cli("pack", "-q", "-", str(tmp_path / "o.tar.zst"), stdin=stdin)
+    err = res.stderr.decode().strip()
+    assert res.returncode == 1 and "lone zero block" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o.tar.zst").exists()
+    res = run_cli("ls", str(damaged))
+    assert res.returncode == 0 and res.stdout.split() == [b"f0.txt"], res
+    assert b"lone zero block" in res.stderr

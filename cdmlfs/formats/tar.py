@@ -144,6 +144,10 @@ def scan_tar(view, members: MemberTable) -> int:
         append(kind, name, mode, mtime, size, offset, link, sparse=sparse)
     if records.cut is not None:
         log.warning("tar stream is truncated at offset %d: listing what came before", records.cut)
+    if records.lone_zero is not None:
+        log.warning(
+            "a lone zero block at offset %d ends the listing, as it does for tar -x", records.lone_zero
+        )
     return records.end
 
 
@@ -162,6 +166,7 @@ class TarRecords:
         self.end = 0
         self.cut: int | None = None  # where the stream ended inside a header or extension record
         self.marked = False  # the tar ended with its end-of-archive (zero) block, not just the stream
+        self.lone_zero: int | None = None  # a single zero block followed by more data ended it here
 
     def __iter__(self) -> Iterator[tuple[int, str, int, float, int, int, str, array | None]]:
         yield from self._scan(self._view)
@@ -187,8 +192,9 @@ class TarRecords:
             if block == th.ZERO_BLOCK:
                 nxt = read(pos + th.BLOCK, th.BLOCK)
                 if nxt and nxt != th.ZERO_BLOCK[: len(nxt)]:
-                    # GNU tar stops here too ("A lone zero block"); only tar -i would read on.
-                    log.warning("a lone zero block at offset %d ends the listing, as it does for tar -x", pos)
+                    # GNU tar stops here too ("A lone zero block"); only tar -i would read on. scan_tar
+                    # warns; pack refuses (the members after it would be lost).
+                    self.lone_zero = pos
                 self.marked = True
                 break  # end of archive: two zero blocks (or one and the end of the stream)
             try:
