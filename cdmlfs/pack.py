@@ -47,6 +47,7 @@ import logging
 import lzma
 import math
 import os
+import queue
 import stat as statmod
 import struct
 import sys
@@ -406,6 +407,72 @@ class _CheckedZstd:
         return data
 
 
+class _ReadAhead:
+    """Reads a stream on a thread of its own, a few chunks ahead of its reader.
+
+    Why: decompression (zlib, bz2, lzma and zstd all release the GIL) then runs on one core while
+    the tar is parsed, checksummed and handed to the compressors on the other, instead of before
+    them. At most ``DEPTH`` chunks wait; what the stream raises is raised to the reader, in order.
+    """
+
+    DEPTH = 4
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self._queue: queue.Queue = queue.Queue(maxsize=self.DEPTH)
+        self._stop = threading.Event()
+        self._chunk = b""
+        self._off = 0
+        self._ended = False
+        self._thread = threading.Thread(target=self._run, name="cdmlfs-pack-read", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                data = self._stream.read(STREAM_CHUNK)
+                self._put(data)
+                if not data:
+                    return
+        except BaseException as exc:  # handed to the reader, raised there
+            self._put(exc)
+
+    def _put(self, item: bytes | BaseException) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def read(self, n: int = -1) -> bytes:
+        out: list[bytes] = []
+        got = 0
+        while (n < 0 or got < n) and not self._ended:
+            if self._off >= len(self._chunk):
+                item = self._queue.get()
+                if isinstance(item, BaseException):
+                    self._ended = True
+                    raise item
+                if not item:
+                    self._ended = True
+                    break
+                self._chunk, self._off = item, 0
+            take = len(self._chunk) - self._off if n < 0 else min(n - got, len(self._chunk) - self._off)
+            out.append(self._chunk[self._off : self._off + take])
+            self._off += take
+            got += take
+        return b"".join(out) if len(out) != 1 else out[0]
+
+    def close(self) -> None:
+        """Stop the thread (it may be between reads: its chunk is dropped)."""
+        self._stop.set()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._queue.get_nowait()
+        self._thread.join(timeout=2)  # a read blocked on a stalled pipe: the daemon thread ends with us
+
+
 class _ForwardView:
     """``read(pos, n)`` over a forward-only stream, as the tar scanner reads: positions never go
     back before the last one asked for, and what is skipped is read and dropped."""
@@ -540,7 +607,8 @@ def entries_from_tar_stream(raw, where: str, kind: str) -> Iterator[PackEntry]:
         stream = raw
     else:
         stream = _Decompressed(raw, kind)
-    view = _ForwardView(stream)
+    ahead = _ReadAhead(stream)
+    view = _ForwardView(ahead)
 
     def member_bytes(name: str, offset: int, size: int, sparse) -> Callable[[], Iterator[bytes]]:
         # (position in the real file, stored bytes) runs: one for a plain file, a sparse one's data
@@ -617,6 +685,7 @@ def entries_from_tar_stream(raw, where: str, kind: str) -> Iterator[PackEntry]:
     except _STREAM_ERRORS as exc:
         raise failed(exc) from None
     finally:
+        ahead.close()
         with contextlib.suppress(*_STREAM_ERRORS):
             if kind == "zstd":
                 stream.close()

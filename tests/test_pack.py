@@ -582,6 +582,11 @@ def test_a_truncated_stream_never_packs_part_of_the_archive() -> None:
             assert got == full, (kind, cut, sorted(got))
         with pytest.raises(ArchiveFormatError, match="ends inside a header"):
             members(make(tar[:header_cut]), kind)
+    import threading
+
+    assert not [
+        t for t in threading.enumerate() if t.name == "cdmlfs-pack-read"
+    ]  # read-ahead threads stopped
 
 
 def test_an_xz_header_asking_for_a_huge_dictionary_is_refused(tmp_path: Path) -> None:
