@@ -584,9 +584,8 @@ def test_a_truncated_stream_never_packs_part_of_the_archive() -> None:
             members(make(tar[:header_cut]), kind)
     import threading
 
-    assert not [
-        t for t in threading.enumerate() if t.name == "cdmlfs-pack-read"
-    ]  # read-ahead threads stopped
+    # Every read-ahead thread was stopped when its pack failed or ended.
+    assert not [t for t in threading.enumerate() if t.name == "cdmlfs-pack-read"]
 
 
 def test_an_xz_header_asking_for_a_huge_dictionary_is_refused(tmp_path: Path) -> None:
