@@ -61,7 +61,7 @@ from typing import NamedTuple
 import zstandard
 
 from cdmlfs import inflate, tar_stream
-from cdmlfs.errors import UsageError
+from cdmlfs.errors import ArchiveFormatError, UsageError
 from cdmlfs.formats import tarheader as th
 from cdmlfs.formats.tar import EMBEDDED_INDEX_NIBBLE, encode_embedded_index
 from cdmlfs.formats.tarmembers import HARDLINK, MemberTable
@@ -308,8 +308,9 @@ class StreamTally:
 
 def entries_from_tar_stream(raw, where: str, kind: str) -> Iterator[PackEntry]:
     """The members of a tar read as one stream (:func:`cdmlfs.tar_stream.members`) as pack entries."""
-    for m in tar_stream.members(raw, where, kind):
-        yield PackEntry(m.path, m.kind, m.mode, m.mtime, m.size, m.link, read=m.read)
+    with contextlib.closing(tar_stream.members(raw, where, kind)) as members:  # closed with us
+        for m in members:
+            yield PackEntry(m.path, m.kind, m.mode, m.mtime, m.size, m.link, read=m.read)
 
 
 # -- tar stream ------------------------------------------------------------------------------
@@ -603,7 +604,13 @@ def pack(
                 raise UsageError("'-' reads a tar from standard input, which is closed: pipe one in")
             if sys.stdin.isatty():
                 raise UsageError("'-' reads a tar from standard input, which is a terminal: pipe one in")
-            pipe = tar_stream.Pipe(sys.stdin.buffer)
+            try:
+                fd = sys.stdin.fileno()
+            except (OSError, ValueError, AttributeError):  # replaced by an object with no descriptor
+                raise UsageError(
+                    "'-' reads a tar from standard input, which has no file descriptor"
+                ) from None
+            pipe = tar_stream.Pipe(fd)
             stream = pipe.kind()
             where = "standard input"
         else:
@@ -620,10 +627,20 @@ def pack(
                 f"{where}: a tar read as a stream converts in one pass to .tar.zst or .tar only "
                 "(its hard links would need bytes read before); pack the .tar.zst into a .zip from there"
             )
-        return _pack(
-            src, out, kind, level=level, frame_size=frame_size, threads=threads, progress=progress,
-            archive_options=archive_options, pipe=pipe, source=source, stream=stream, where=where,
-        )  # fmt: skip
+        options = dict(level=level, frame_size=frame_size, threads=threads, archive_options=archive_options)
+        try:
+            return _pack(src, out, kind, progress=progress, pipe=pipe, source=source, stream=stream,
+                         where=where, **options)  # fmt: skip
+        except tar_stream.UnterminatedTar as exc:
+            if stream != "zstd" or pipe is not None:
+                raise
+            # The archive path lists such a tar as a mount does (tar -x reads it too): pack what is
+            # there, as before zstd files were read as streams.
+            log.warning("%s; packing it as an archive instead", exc)
+            source.close()
+            source = None
+            return _pack(src, out, kind, progress=progress, pipe=None, source=None, stream=None,
+                         where=where, **options)  # fmt: skip
     finally:
         if source is not None:
             source.close()
@@ -648,7 +665,7 @@ def _open_if_stream(src: str, options: dict, zstd: bool) -> tuple[Source | None,
     try:
         head = source.read_at(0, min(th.BLOCK, source.size))
         kind = tar_stream.stream_kind(head)
-        if zstd and kind is None and looks_like_zstd(head) and read_seek_table(source) is None:
+        if zstd and kind is None and looks_like_zstd(head) and not _has_seek_table(source):
             kind = "zstd"
     except BaseException:
         source.close()
@@ -657,6 +674,15 @@ def _open_if_stream(src: str, options: dict, zstd: bool) -> tuple[Source | None,
         source.close()
         return None, None
     return source, kind
+
+
+def _has_seek_table(source: Source) -> bool:
+    """A seek table, or something that tries to be one: a malformed table keeps the archive path,
+    which warns and locates the frames by their headers (as a mount does)."""
+    try:
+        return read_seek_table(source) is not None
+    except ArchiveFormatError:
+        return True
 
 
 def _pack(
@@ -679,6 +705,7 @@ def _pack(
     threads = max(1, threads or os.cpu_count() or 1)
     archive = None
     tally = None
+    streamed = None
     changed: list[str] = []
     try:
         entries: Iterable[PackEntry]
@@ -691,7 +718,8 @@ def _pack(
                 raw = SourceRange(source, 0, source.size, on_read=lambda pos: read_to.__setitem__(0, pos))
                 total, at = source.size, lambda: read_to[0]
             tally = StreamTally()
-            entries = tally.count(entries_from_tar_stream(raw, where, stream))
+            streamed = entries_from_tar_stream(raw, where, stream)
+            entries = tally.count(streamed)
             if progress is not None:
                 report = progress
                 progress = lambda done, _total: report(at(), total)  # noqa: E731
@@ -741,6 +769,8 @@ def _pack(
                 os.unlink(tmp)
             raise
     finally:
+        if streamed is not None:  # stops its read-ahead thread now, before the caller closes the source
+            streamed.close()
         if archive is not None:
             archive.close()
     return {

@@ -15,6 +15,7 @@ import bz2
 import contextlib
 import logging
 import lzma
+import os
 import queue
 import threading
 import zlib
@@ -40,6 +41,12 @@ STREAM_CHUNK = 1 << 20  # compressed bytes per read, and decompressed bytes per 
 XZ_MEMLIMIT = 256 << 20
 # What a damaged or truncated stream raises (gzip's and bz2's errors are OSErrors or EOFErrors).
 STREAM_ERRORS = (EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError, OSError)
+
+
+class UnterminatedTar(ArchiveFormatError):
+    """The tar stream ends without its end-of-archive blocks, or a lone zero block ends it before more
+    data: whole as far as it goes, but most likely cut. A lister reads what is there; a copy refuses
+    (pack falls back to the archive path for a file that has one)."""
 
 
 class Member(NamedTuple):
@@ -224,7 +231,7 @@ class _ReadAhead:
         with contextlib.suppress(queue.Empty):
             while True:
                 self._queue.get_nowait()
-        self._thread.join(timeout=2)  # a read blocked on a stalled pipe: the daemon thread ends with us
+        self._thread.join(timeout=0.5)  # a read blocked on a stalled pipe: the daemon thread ends with us
 
 
 class _ForwardView:
@@ -277,10 +284,13 @@ class Pipe:
 
     HEAD = th.BLOCK
 
-    def __init__(self, f) -> None:
-        self._f = f
+    def __init__(self, fd: int) -> None:
+        # The descriptor itself, not sys.stdin.buffer: a read blocked on a stalled pipe in the
+        # read-ahead thread held that buffer's lock, and Python aborted at exit when a failed or
+        # interrupted pack left it there (rc 134 instead of 1 or 143).
+        self._fd = fd
         head = b""
-        while len(head) < self.HEAD and (more := f.read(self.HEAD - len(head))):
+        while len(head) < self.HEAD and (more := os.read(fd, self.HEAD - len(head))):
             head += more
         self.head = self._pending = head
         self.pos = 0
@@ -289,8 +299,13 @@ class Pipe:
         if self._pending:
             data = self._pending if n < 0 else self._pending[:n]
             self._pending = self._pending[len(data) :]
+        elif n < 0:
+            parts = []
+            while more := os.read(self._fd, STREAM_CHUNK):
+                parts.append(more)
+            data = b"".join(parts)
         else:
-            data = self._f.read(n)
+            data = os.read(self._fd, n)
         self.pos += len(data)
         return data
 
@@ -368,6 +383,9 @@ def members(raw, where: str, kind: str) -> Iterator[Member]:
                         yield data
                     real = start + length
                 yield from zeros(size - real)
+            except ArchiveFormatError as exc:  # zstd framing, seen while reading ahead: name the stream
+                why = str(exc)
+                raise ArchiveFormatError(why if why.startswith(where) else f"{where}: {why}") from None
             except STREAM_ERRORS as exc:
                 raise failed(exc) from None
 
@@ -404,12 +422,12 @@ def members(raw, where: str, kind: str) -> Iterator[Member]:
         if not records.marked:
             # Every tar writer ends with zero blocks; without them the stream was most likely cut at a
             # member boundary (cdmlfs pack's frames end on one). tar -x and a mount read such a tar.
-            raise ArchiveFormatError(
+            raise UnterminatedTar(
                 f"the tar stops at byte {records.end:,} without its end-of-archive blocks (a truncated "
                 "copy?); to keep what is there, save it as a .tar file and pack or mount that"
             )
         if records.lone_zero is not None:  # more tar data follows: a zeroed header, most likely
-            raise ArchiveFormatError(
+            raise UnterminatedTar(
                 f"a lone zero block at byte {records.lone_zero:,} ends the tar before the data after it "
                 "(a damaged header?); tar -x stops there too: save it as a .tar file to pack what is "
                 "before it"
@@ -418,7 +436,7 @@ def members(raw, where: str, kind: str) -> Iterator[Member]:
         why = str(exc)
         if checked is not None and checked.exhausted and not checked.frames.at_boundary:
             why = "the zstd stream ends inside a frame (a truncated copy?)"  # the tar saw only its effect
-        raise ArchiveFormatError(why if why.startswith(where) else f"{where}: {why}") from None
+        raise type(exc)(why if why.startswith(where) else f"{where}: {why}") from None
     except STREAM_ERRORS as exc:
         raise failed(exc) from None
     finally:

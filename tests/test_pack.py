@@ -709,3 +709,64 @@ def test_a_tar_zst_without_seek_table_packs_as_one_stream(src: Path, tmp_path: P
     _same_tree(tree(extract(out, tmp_path / "x")), tree(src))
     as_zip = cdmlfs_pack(single, tmp_path / "o.zip", "--index-dir", str(index))
     _same_tree(tree(unzip(as_zip, tmp_path / "z")), tree(src), zip_dates=True)
+
+
+def test_sigterm_while_standard_input_stalls_exits_at_once(src: Path, tmp_path: Path) -> None:
+    """The read-ahead thread blocked in a read of a stalled pipe held sys.stdin's buffer lock:
+    Python aborted at exit ("could not acquire lock ... at interpreter shutdown", rc 134, seconds
+    later). Reading the descriptor itself, the pack ends as SIGTERM asks: 143, no partial file."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    gz = gnu_tar(tmp_path / "t.tar.gz", src, "gnu", COMPRESSORS["gzip"])
+    out = tmp_path / "o.tar.zst"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cdmlfs", "pack", "-q", "-", str(out)],
+        stdin=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdin is not None
+    proc.stdin.write(gz.read_bytes()[: gz.stat().st_size // 2])
+    proc.stdin.flush()  # and then nothing more: the pipe stays open, stalled
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGTERM)
+    t = time.monotonic()
+    try:
+        rc = proc.wait(timeout=10)
+    finally:
+        proc.stdin.close()
+    assert rc == 128 + signal.SIGTERM, proc.stderr.read().decode()  # type: ignore[union-attr]
+    assert time.monotonic() - t < 3
+    assert b"Fatal Python error" not in proc.stderr.read()  # type: ignore[union-attr]
+    assert not [p for p in tmp_path.iterdir() if "partial" in p.name] and not out.exists()
+
+
+def test_zstd_files_the_stream_path_refuses_fall_back_to_the_archive_path(src: Path, tmp_path: Path) -> None:
+    """A single-frame tar.zst whose tar lacks its end-of-archive blocks (the archive path packed it
+    before zstd files were read as streams), and a malformed seek table (the archive path warns and
+    walks the frames): both still pack, with a warning."""
+    import subprocess
+
+    from cdmlfs.zstd_seekable import seek_table_frame
+
+    plain = gnu_tar(tmp_path / "t.tar", src)
+    data = plain.read_bytes().rstrip(b"\0")
+    data += bytes(-len(data) % 512)  # the last member's padding back, no end-of-archive blocks
+    noend = tmp_path / "noend.tar.zst"
+    noend.write_bytes(
+        subprocess.run(["zstd", "-q", "-c"], input=data, capture_output=True, check=True).stdout
+    )
+    frame = subprocess.run(
+        ["zstd", "-q", "-c"], input=plain.read_bytes(), capture_output=True, check=True
+    ).stdout
+    table = bytearray(seek_table_frame([(len(frame), plain.stat().st_size)]))
+    table[-5] |= 4  # a reserved descriptor bit
+    odd = tmp_path / "odd-table.tar.zst"
+    odd.write_bytes(frame + bytes(table))
+    for path, says in ((noend, "end-of-archive"), (odd, "reserved")):
+        res = run_cli("pack", "-q", str(path), str(tmp_path / f"{path.name}.out.tar.zst"))
+        assert res.returncode == 0 and says in res.stderr.decode(), res.stderr.decode()
+        _same_tree(
+            tree(extract(tmp_path / f"{path.name}.out.tar.zst", tmp_path / f"x-{path.name}")), tree(src)
+        )
