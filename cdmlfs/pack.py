@@ -636,7 +636,7 @@ def pack(
                 raise
             # The archive path lists such a tar as a mount does (tar -x reads it too): pack what is
             # there, as before zstd files were read as streams.
-            log.warning("%s; packing it as an archive instead", exc)
+            log.warning("%s: packing it as an archive instead, as tar -x and a mount read it", exc.reason)
             source.close()
             source = None
             return _pack(src, out, kind, progress=progress, pipe=None, source=None, stream=None,

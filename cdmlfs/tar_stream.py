@@ -17,6 +17,7 @@ import logging
 import lzma
 import os
 import queue
+import select
 import threading
 import zlib
 from collections.abc import Callable, Iterator
@@ -46,7 +47,12 @@ STREAM_ERRORS = (EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError, OSEr
 class UnterminatedTar(ArchiveFormatError):
     """The tar stream ends without its end-of-archive blocks, or a lone zero block ends it before more
     data: whole as far as it goes, but most likely cut. A lister reads what is there; a copy refuses
-    (pack falls back to the archive path for a file that has one)."""
+    (pack falls back to the archive path for a file that has one). ``reason``: what was seen, without
+    the advice."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
 
 
 class Member(NamedTuple):
@@ -290,22 +296,31 @@ class Pipe:
         # interrupted pack left it there (rc 134 instead of 1 or 143).
         self._fd = fd
         head = b""
-        while len(head) < self.HEAD and (more := os.read(fd, self.HEAD - len(head))):
+        while len(head) < self.HEAD and (more := self._read_fd(self.HEAD - len(head))):
             head += more
         self.head = self._pending = head
         self.pos = 0
 
+    def _read_fd(self, n: int) -> bytes:
+        while True:
+            try:
+                return os.read(self._fd, n)
+            except BlockingIOError:  # a parent left the pipe non-blocking: wait for data as a read would
+                select.select([self._fd], [], [])
+
     def read(self, n: int = -1) -> bytes:
+        """``n`` bytes (all with -1), fewer only at the end: a pipe hands out 64 KiB at a time, and
+        reading ahead in such crumbs cost the read-ahead its depth."""
         if self._pending:
             data = self._pending if n < 0 else self._pending[:n]
             self._pending = self._pending[len(data) :]
-        elif n < 0:
-            parts = []
-            while more := os.read(self._fd, STREAM_CHUNK):
-                parts.append(more)
-            data = b"".join(parts)
         else:
-            data = os.read(self._fd, n)
+            parts = []
+            got = 0
+            while (n < 0 or got < n) and (more := self._read_fd(STREAM_CHUNK if n < 0 else n - got)):
+                parts.append(more)
+                got += len(more)
+            data = b"".join(parts)
         self.pos += len(data)
         return data
 
@@ -422,21 +437,26 @@ def members(raw, where: str, kind: str) -> Iterator[Member]:
         if not records.marked:
             # Every tar writer ends with zero blocks; without them the stream was most likely cut at a
             # member boundary (cdmlfs pack's frames end on one). tar -x and a mount read such a tar.
+            reason = f"the tar stops at byte {records.end:,} without its end-of-archive blocks"
             raise UnterminatedTar(
-                f"the tar stops at byte {records.end:,} without its end-of-archive blocks (a truncated "
-                "copy?); to keep what is there, save it as a .tar file and pack or mount that"
+                f"{where}: {reason} (a truncated copy?); to keep what is there, save it as a .tar file "
+                "and pack or mount that",
+                f"{where}: {reason}",
             )
         if records.lone_zero is not None:  # more tar data follows: a zeroed header, most likely
+            reason = f"a lone zero block at byte {records.lone_zero:,} ends the tar before more data"
             raise UnterminatedTar(
-                f"a lone zero block at byte {records.lone_zero:,} ends the tar before the data after it "
-                "(a damaged header?); tar -x stops there too: save it as a .tar file to pack what is "
-                "before it"
+                f"{where}: {reason} (a damaged header?); tar -x stops there too: save it as a .tar file "
+                "to pack what is before it",
+                f"{where}: {reason}",
             )
+    except UnterminatedTar:
+        raise
     except ArchiveFormatError as exc:
         why = str(exc)
         if checked is not None and checked.exhausted and not checked.frames.at_boundary:
             why = "the zstd stream ends inside a frame (a truncated copy?)"  # the tar saw only its effect
-        raise type(exc)(why if why.startswith(where) else f"{where}: {why}") from None
+        raise ArchiveFormatError(why if why.startswith(where) else f"{where}: {why}") from None
     except STREAM_ERRORS as exc:
         raise failed(exc) from None
     finally:

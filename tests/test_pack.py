@@ -770,3 +770,29 @@ def test_zstd_files_the_stream_path_refuses_fall_back_to_the_archive_path(src: P
         _same_tree(
             tree(extract(tmp_path / f"{path.name}.out.tar.zst", tmp_path / f"x-{path.name}")), tree(src)
         )
+
+
+def test_a_non_blocking_standard_input_is_waited_for(src: Path, tmp_path: Path) -> None:
+    """A parent may leave the pipe non-blocking: a read before data arrives raised EAGAIN ("Resource
+    temporarily unavailable", exit 1). Such a pipe is waited for, as a blocking read would."""
+    import subprocess
+    import sys
+    import time
+
+    data = gnu_tar(tmp_path / "t.tar.gz", src, "gnu", COMPRESSORS["gzip"]).read_bytes()
+    out = tmp_path / "o.tar.zst"
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    proc = subprocess.Popen([sys.executable, "-m", "cdmlfs", "pack", "-q", "-", str(out)], stdin=r,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    os.close(r)
+    try:
+        time.sleep(0.5)  # nothing yet: the first read finds the pipe empty
+        os.write(w, data[:1000])
+        time.sleep(0.5)  # a stall in the middle of the stream
+        with os.fdopen(w, "wb") as f:
+            f.write(data[1000:])
+    finally:
+        rc = proc.wait(timeout=60)
+    assert rc == 0, proc.stderr.read().decode()  # type: ignore[union-attr]
+    _same_tree(tree(extract(out, tmp_path / "x")), tree(src))
