@@ -711,18 +711,14 @@ def _pack(
         entries: Iterable[PackEntry]
         if stream is not None:
             # One pass, no list: progress goes by (compressed) bytes read, counts are taken on the way.
-            if pipe is not None:
-                raw, total, at = pipe, None, lambda: pipe.pos
-            else:
-                read_to = [0]
-                raw = SourceRange(source, 0, source.size, on_read=lambda pos: read_to.__setitem__(0, pos))
-                total, at = source.size, lambda: read_to[0]
+            raw = pipe if pipe is not None else SourceRange(source, 0, source.size)
+            total = None if pipe is not None else source.size
             tally = StreamTally()
             streamed = entries_from_tar_stream(raw, where, stream)
             entries = tally.count(streamed)
             if progress is not None:
                 report = progress
-                progress = lambda done, _total: report(at(), total)  # noqa: E731
+                progress = lambda done, _total: report(raw.tell(), total)  # noqa: E731
         elif os.path.isdir(src):
             # An output inside the directory (overwritten with --force) is not packed into itself.
             skip = os.path.join(os.path.abspath(src), _inside(src, out))

@@ -285,8 +285,7 @@ class _ForwardView:
 
 
 class Pipe:
-    """A forward-only input (standard input) whose first bytes are read ahead to tell what it holds;
-    counts what it hands out, for progress."""
+    """A forward-only input (standard input) whose first bytes are read ahead to tell what it holds."""
 
     HEAD = th.BLOCK
 
@@ -299,7 +298,7 @@ class Pipe:
         while len(head) < self.HEAD and (more := self._read_fd(self.HEAD - len(head))):
             head += more
         self.head = self._pending = head
-        self.pos = 0
+        self._pos = 0
 
     def _read_fd(self, n: int) -> bytes:
         while True:
@@ -321,8 +320,12 @@ class Pipe:
                 parts.append(more)
                 got += len(more)
             data = b"".join(parts)
-        self.pos += len(data)
+        self._pos += len(data)
         return data
+
+    def tell(self) -> int:
+        """Bytes handed out so far (progress)."""
+        return self._pos
 
     def kind(self) -> str:
         """What the stream is: a compressor's name, or "tar"; UsageError for what cannot stream."""
@@ -366,6 +369,14 @@ def members(raw, where: str, kind: str) -> Iterator[Member]:
         detail = str(exc) or type(exc).__name__
         return ArchiveFormatError(f"{where}: cannot read this {what} ({detail})")
 
+    def named(exc: ArchiveFormatError) -> ArchiveFormatError:
+        """``exc`` naming the stream; for a zstd input cut inside a frame, that cut (the tar parser
+        and a member's read see only its effect)."""
+        why = str(exc)
+        if checked is not None and checked.exhausted and not checked.frames.at_boundary:
+            why = "the zstd stream ends inside a frame (a truncated copy?)"
+        return ArchiveFormatError(why if why.startswith(where) else f"{where}: {why}")
+
     checked = None
     if kind == "zstd":
         checked = _CheckedZstd(raw)
@@ -398,9 +409,8 @@ def members(raw, where: str, kind: str) -> Iterator[Member]:
                         yield data
                     real = start + length
                 yield from zeros(size - real)
-            except ArchiveFormatError as exc:  # zstd framing, seen while reading ahead: name the stream
-                why = str(exc)
-                raise ArchiveFormatError(why if why.startswith(where) else f"{where}: {why}") from None
+            except ArchiveFormatError as exc:  # zstd framing, seen while reading ahead
+                raise named(exc) from None
             except STREAM_ERRORS as exc:
                 raise failed(exc) from None
 
@@ -453,10 +463,7 @@ def members(raw, where: str, kind: str) -> Iterator[Member]:
     except UnterminatedTar:
         raise
     except ArchiveFormatError as exc:
-        why = str(exc)
-        if checked is not None and checked.exhausted and not checked.frames.at_boundary:
-            why = "the zstd stream ends inside a frame (a truncated copy?)"  # the tar saw only its effect
-        raise ArchiveFormatError(why if why.startswith(where) else f"{where}: {why}") from None
+        raise named(exc) from None
     except STREAM_ERRORS as exc:
         raise failed(exc) from None
     finally:

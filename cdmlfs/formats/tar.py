@@ -169,9 +169,7 @@ class TarRecords:
         self.lone_zero: int | None = None  # a single zero block followed by more data ended it here
 
     def __iter__(self) -> Iterator[tuple[int, str, int, float, int, int, str, array | None]]:
-        yield from self._scan(self._view)
-
-    def _scan(self, view) -> Iterator[tuple[int, str, int, float, int, int, str, array | None]]:
+        view = self._view
         pos = 0
         pax: dict[str, bytes] = {}
         global_pax: dict[str, bytes] = {}

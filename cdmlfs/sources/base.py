@@ -68,6 +68,10 @@ class SourceRange(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    def tell(self) -> int:
+        """Where the next read starts in the source (progress of a scan)."""
+        return self._pos
+
     def read(self, size: int = -1) -> bytes:
         n = self._end - self._pos if size is None or size < 0 else min(size, self._end - self._pos)
         if n <= 0:
