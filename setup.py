@@ -24,6 +24,7 @@ NATIVE_SOURCES = ["native/cdmlfs_native.c"]
 FASTPATH_SOURCES = ["native/fastpath.c"]
 ZSTDFRAME_SOURCES = ["native/zstdframe.c"]
 FUSELOOP_SOURCES = ["native/fuseloop.c"]
+ZIPDIR_SOURCES = ["native/zipdir.c"]
 
 
 def _warn(message: str) -> None:
@@ -76,6 +77,8 @@ class OptionalBuildExt(build_ext):
             cflags, libs = _library_flags("libzstd", "-lzstd")
         elif ext.name == FUSELOOP.name:
             cflags, libs = _library_flags("fuse3", "-lfuse3")
+        elif ext.name == ZIPDIR.name:
+            cflags, libs = [], []  # the Python C API only
         else:
             cflags, libs = _library_flags("libdeflate", "-ldeflate")
             libs = [*libs, "-lz"]
@@ -90,7 +93,7 @@ class OptionalBuildExt(build_ext):
         if REQUIRE_NATIVE:
             raise exc
         _warn(
-            f"building a C accelerator (cdmlfs._native, _fastpath, _zstdframe or _fuseloop) failed ({exc}).\n"
+            f"building a C accelerator (cdmlfs._native, _fastpath, _zstdframe, _fuseloop or _zipdir) failed ({exc}).\n"
             "cdmlfs will work, using the slower pure-Python inflate and zstd paths and libfuse's\n"
             "own loop. To build it, install a C compiler, pkg-config, the Python headers and the\n"
             "libdeflate, zlib, zstd and libfuse3 headers (Debian: build-essential pkg-config python3-dev\n"
@@ -114,4 +117,7 @@ ZSTDFRAME = Extension("cdmlfs._zstdframe", sources=ZSTDFRAME_SOURCES, optional=n
 # libfuse3's main loop, polling briefly between requests (libfuse3); see native/fuseloop.c.
 FUSELOOP = Extension("cdmlfs._fuseloop", sources=FUSELOOP_SOURCES, optional=not REQUIRE_NATIVE)
 
-setup(ext_modules=[NATIVE, FASTPATH, ZSTDFRAME, FUSELOOP], cmdclass={"build_ext": OptionalBuildExt})
+# The ZIP central directory parse for plain records (no library); see native/zipdir.c.
+ZIPDIR = Extension("cdmlfs._zipdir", sources=ZIPDIR_SOURCES, optional=not REQUIRE_NATIVE)
+
+setup(ext_modules=[NATIVE, FASTPATH, ZSTDFRAME, FUSELOOP, ZIPDIR], cmdclass={"build_ext": OptionalBuildExt})

@@ -342,6 +342,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from cdmlfs.formats import zstdframes
 
     print(f"zstd frame decoder: {zstdframes.backend()}")
+    from cdmlfs.formats import zip as zipfmt
+
+    print(f"ZIP central directory: {zipfmt.parser_backend()}")
     fuse_major = None
     try:
         from cdmlfs.fuse_ops import load_mfusepy

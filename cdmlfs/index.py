@@ -361,6 +361,34 @@ class IndexBuilder:
         lookup[path] = eid  # the last duplicate wins
         return eid
 
+    def add_plain_run(self, run, *args) -> tuple[int, int]:
+        """Let a native parser add a run of plain entries; returns (entries added, where it stopped).
+
+        ``run(*args, paths, lookup, dir_ids, path_bytes, path_allowance, allowance_per_entry)``
+        (``cdmlfs._zipdir.plain_run``) appends only entries that need none of :meth:`add`'s
+        special cases (a new, already normal path in a known directory) to the builder's
+        containers, as ``add`` would, and returns their columns; the caller gives every other
+        entry to ``add``.
+        """
+        ix = self._index
+        (n, stop, self._path_bytes, self._path_allowance,
+         kind, mode, mtime, size, method, flags, offset, comp_size, crc, parent) = run(
+            *args, ix.paths, ix._lookup, self._dir_ids, self._path_bytes, self._path_allowance,
+            PATH_BYTES_PER_ENTRY,
+        )  # fmt: skip
+        if n:
+            ix.kind += kind
+            ix.mode.frombytes(mode)
+            ix.mtime.frombytes(mtime)
+            ix.size.frombytes(size)
+            ix.method.frombytes(method)
+            ix.flags += flags
+            ix.offset.frombytes(offset)
+            ix.comp_size.frombytes(comp_size)
+            ix.crc.frombytes(crc)
+            ix.parent.frombytes(parent)
+        return n, stop
+
     def _make_dirs(self, path: str) -> int:
         """Create the directories implied by a path; a directory wins over a file of the same path."""
         # Ends of the missing ancestors, deepest first; their paths are made one at a time, as
