@@ -13,7 +13,7 @@
  * calling it again.  So every rule lives in Python, and this file only has to agree with it on
  * the plain records: tests/test_zip_native.py compares whole indexes built both ways.
  *
- * plain_run(buf, pos, end, max_records, prefix, source_size, paths, lookup, dir_ids,
+ * plain_run(buf, pos, end, max_records, prefix, source_size, dos_cache, paths, lookup, dir_ids,
  *           path_bytes, path_allowance, allowance_per_entry)
  *   -> (records, new_pos, path_bytes, path_allowance,
  *       kind, mode, mtime, size, method, flags, offset, comp_size, crc, parent)
@@ -148,7 +148,7 @@ ntfs_mtime(const unsigned char *body, Py_ssize_t len, double *out)
 
 /* zip.py _dos_to_epoch: time.mktime of the local date and time (0.0 where mktime fails). */
 static double
-dos_to_epoch(unsigned ddate, unsigned dtime)
+dos_to_epoch_uncached(unsigned ddate, unsigned dtime)
 {
     struct tm tm;
     unsigned month = (ddate >> 5) & 0xF, day = ddate & 0x1F;
@@ -166,6 +166,32 @@ dos_to_epoch(unsigned ddate, unsigned dtime)
     if (t == (time_t)-1 && tm.tm_wday == -1)
         return 0.0;
     return (double)t;
+}
+
+/* The parse's DOS time cache, shared with the Python parser (zip.py dos_cache): glibc's mktime
+ * resolves an ambiguous local time (the hour repeated when clocks go back) from the state its
+ * previous call left, so both parsers must compute each date once, at its first record, as the
+ * Python parser alone would.  Returns -1 with an exception set on error. */
+static int
+dos_to_epoch(PyObject *cache, unsigned ddate, unsigned dtime, double *out)
+{
+    PyObject *key = PyLong_FromUnsignedLong(((unsigned long)ddate << 16) | dtime), *value;
+    int rc = -1;
+    if (!key)
+        return -1;
+    value = PyDict_GetItemWithError(cache, key);
+    if (value) {
+        *out = PyFloat_AsDouble(value);
+        rc = *out == -1.0 && PyErr_Occurred() ? -1 : 0;
+    }
+    else if (!PyErr_Occurred()) {
+        *out = dos_to_epoch_uncached(ddate, dtime);
+        value = PyFloat_FromDouble(*out);
+        rc = value && PyDict_SetItem(cache, key, value) == 0 ? 0 : -1;
+        Py_XDECREF(value);
+    }
+    Py_DECREF(key);
+    return rc;
 }
 
 struct columns {
@@ -233,21 +259,22 @@ plain_run(PyObject *self, PyObject *args)
     Py_buffer view;
     Py_ssize_t pos, end, max_records;
     long long prefix, source_size, path_bytes, allowance, per_entry;
-    PyObject *paths, *lookup, *dir_ids;
+    PyObject *dos_cache, *paths, *lookup, *dir_ids;
     PyObject *last_parent = NULL, *result = NULL;
     long last_parent_id = 0;
     struct columns c;
     void *block = NULL;
     Py_ssize_t n = 0, cap, first_eid;
-    uint32_t dos_key = 0xFFFFFFFFu;
+    uint32_t dos_key = 0;
     double dos_value = 0.0;
+    int dos_known = 0; /* dos_key/dos_value hold the last date looked up in dos_cache */
     int err = 0;
 
-    if (!PyArg_ParseTuple(args, "y*nnnLLO!O!O!LLL:plain_run", &view, &pos, &end, &max_records, &prefix,
-                          &source_size, &PyList_Type, &paths, &PyDict_Type, &lookup, &PyDict_Type,
-                          &dir_ids, &path_bytes, &allowance, &per_entry))
+    if (!PyArg_ParseTuple(args, "y*nnnLLO!O!O!O!LLL:plain_run", &view, &pos, &end, &max_records, &prefix,
+                          &source_size, &PyDict_Type, &dos_cache, &PyList_Type, &paths, &PyDict_Type,
+                          &lookup, &PyDict_Type, &dir_ids, &path_bytes, &allowance, &per_entry))
         return NULL;
-    if (pos < 0 || end > view.len || pos > end || prefix < 0 || max_records < 0) {
+    if (pos < 0 || end > view.len || pos > end || prefix < 0 || prefix > source_size || max_records < 0) {
         PyErr_SetString(PyExc_ValueError, "plain_run: bad range");
         goto done;
     }
@@ -382,14 +409,6 @@ plain_run(PyObject *self, PyObject *args)
                 have_mtime = 1;
             }
         }
-        if (!have_mtime) {
-            uint32_t key = ((uint32_t)ddate << 16) | dtime;
-            if (key != dos_key) {
-                dos_value = dos_to_epoch(ddate, dtime);
-                dos_key = key;
-            }
-            mtime = dos_value;
-        }
         /* Kind and permissions (zip.py _unix_mode, _dos_mode). */
         {
             unsigned mode_hi = eattr >> 16;
@@ -430,8 +449,6 @@ plain_run(PyObject *self, PyObject *args)
             usize = MAX_SIZE;
         if (csize > MAX_SIZE)
             csize = MAX_SIZE;
-        if (!(mtime >= -MAX_MTIME && mtime <= MAX_MTIME))
-            mtime = mtime > 0 ? MAX_MTIME : -MAX_MTIME;
         if (kind == KIND_SYMLINK)
             mode = 0777;
 
@@ -459,6 +476,21 @@ plain_run(PyObject *self, PyObject *args)
             Py_DECREF(path);
             break; /* the Python builder refuses the archive */
         }
+        if (!have_mtime) { /* only now: dates are computed in record order, as in Python */
+            uint32_t key = ((uint32_t)ddate << 16) | dtime;
+            if (!dos_known || key != dos_key) {
+                if (dos_to_epoch(dos_cache, ddate, dtime, &dos_value) < 0) {
+                    Py_DECREF(path);
+                    err = 1;
+                    break;
+                }
+                dos_key = key;
+                dos_known = 1;
+            }
+            mtime = dos_value;
+        }
+        if (!(mtime >= -MAX_MTIME && mtime <= MAX_MTIME))
+            mtime = mtime > 0 ? MAX_MTIME : -MAX_MTIME;
         {
             PyObject *eid = PyLong_FromSsize_t(first_eid + n);
             int bad = !eid || PyList_Append(paths, path) < 0 || PyDict_SetItem(lookup, path, eid) < 0
@@ -511,8 +543,8 @@ done:
 
 static PyMethodDef zipdir_methods[] = {
     {"plain_run", plain_run, METH_VARARGS,
-     "plain_run(buf, pos, end, max_records, prefix, source_size, paths, lookup, dir_ids, path_bytes, "
-     "path_allowance, allowance_per_entry) -> (records, new_pos, path_bytes, path_allowance, *columns)"},
+     "plain_run(buf, pos, end, max_records, prefix, source_size, dos_cache, paths, lookup, dir_ids, "
+     "path_bytes, path_allowance, allowance_per_entry) -> (records, new_pos, path_bytes, path_allowance, *columns)"},
     {NULL, NULL, 0, NULL},
 };
 

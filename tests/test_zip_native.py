@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import struct
+import time
 import zipfile
 import zlib
 from pathlib import Path
@@ -220,6 +221,39 @@ def _offset_at_the_end() -> bytes:
     return data
 
 
+def _dos(year: int, month: int, day: int, hour: int, minute: int) -> dict:
+    return {"date": (year - 1980) << 9 | month << 5 | day, "time": hour << 11 | minute << 5}
+
+
+def test_dos_dates_computed_once_each_in_record_order(native_run, monkeypatch, caplog):
+    """Local DOS times go through mktime, which resolves the hour repeated when clocks go back from
+    the state its previous call left: both parsers must compute each date once, in record order.
+    (The first C record of a run dated 0xFFFF/0xFFFF once got mtime 0: its cache key.)"""
+    monkeypatch.setenv("TZ", "EST5EDT,M3.2.0,M11.1.0")  # POSIX rule: no tzdata needed
+    time.tzset()
+    try:
+        ambiguous = _dos(2021, 11, 7, 1, 30)
+        members = [
+            _m("a", fields=_dos(2021, 7, 1, 12, 0)),  # the first record is always Python's
+            _m("b", fields={"date": 0xFFFF, "time": 0xFFFF}),
+            _m("c", fields=ambiguous),
+            _m("d", fields=_dos(2021, 12, 1, 12, 0)),
+            _m("e/../e2", fields=ambiguous),  # Python's record
+            _m("f", fields=ambiguous),
+            _m("g", fields=_dos(2021, 7, 1, 12, 0)),
+            _m("h/../h2"),
+            _m("i", fields={"date": 0, "time": 0}),  # first of its run too, with a zero key
+        ]
+        result = _assert_same(craft.build_zip(members), monkeypatch, caplog)
+        mtimes = dict(zip(result["paths"], result["mtime"]))
+        assert mtimes["b"] > 4e9  # 2107-15-31 31:63:62, normalised by mktime
+        assert mtimes["c"] == mtimes["e2"] == mtimes["f"]
+        assert mtimes["i"] > 3e8  # 1980-01-00 -> 01-01
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+
+
 def test_offset_boundary(native_run, monkeypatch, caplog):
     result = _assert_same(_offset_at_the_end(), monkeypatch, caplog)
     assert result["offset"][2] == -1
@@ -277,7 +311,7 @@ def test_plain_run_adds_plain_records_and_stops_at_others(native_run):
     cd_start = len(data) - 22 - sum(CDH_SIZE + len(m.name) for m in members)
     builder = IndexBuilder()
     builder.add("a/", 1, 0o755, 0.0, 0, 0, 0, 0, 0)  # "a" known; "b" is not: Python implies it
-    n, stop = builder.add_plain_run(native_run, data, cd_start, len(data) - 22, 100, 0, len(data))
+    n, stop = builder.add_plain_run(native_run, data, cd_start, len(data) - 22, 100, 0, len(data), {})
     assert n == 2
     assert stop == cd_start + 2 * (CDH_SIZE + 3)
     index = builder.finish()

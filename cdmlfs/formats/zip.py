@@ -65,6 +65,7 @@ def parser_backend() -> str:
     why = "disabled by CDMLFS_ZIPDIR=0" if os.environ.get("CDMLFS_ZIPDIR", "1") == "0" else "not built"
     return f"Python (cdmlfs._zipdir {why})"
 
+
 EOCD = struct.Struct("<IHHHHIIH")  # end of central directory record (22 bytes)
 EOCD_SIG = 0x06054B50
 Z64_LOCATOR = struct.Struct("<IIQI")  # 20 bytes
@@ -210,18 +211,26 @@ class ZipFormat:
         pos = 0  # offset inside buf
         done = 0  # bytes of the central directory consumed
         count = 0
+        resume_at = misses = 0  # C is tried again from record resume_at (backs off while it takes none)
         while done < cd_size:
-            if plain_run is not None and pos < len(buf):
+            if plain_run is not None and pos < len(buf) and count >= resume_at:
                 # C adds the plain records that follow; the loop body below takes the next other one.
                 room = 0x10000 - (count & 0xFFFF)  # stop where progress is reported
-                n, stop = builder.add_plain_run(plain_run, buf, pos, len(buf), room, prefix, source_size)
+                n, stop = builder.add_plain_run(
+                    plain_run, buf, pos, len(buf), room, prefix, source_size, dos_cache
+                )
                 if n:
+                    misses = 0
                     done += stop - pos
                     pos = stop
                     count += n
                     if progress is not None and not count & 0xFFFF:
                         progress(done, cd_size)
                     continue
+                # An archive of records C leaves to Python (Windows names, cp437, one directory per
+                # file) must not pay for a C call per record: wait 1, 2, 4, ... 1024 records.
+                resume_at = count + (1 << min(misses, 10))
+                misses += 1
             if pos + 46 > len(buf):
                 buf, buf_pos, pos = self._refill(buf, buf_pos, pos, cd_start, cd_size, 46)
             (sig, made_by, _, flags, method, dtime, ddate, crc, csize, usize, nlen, xlen, clen, _, _, eattr,
