@@ -124,6 +124,23 @@ is_ascii(const unsigned char *p, Py_ssize_t n)
     return 1;
 }
 
+/* The extra field at *at (zip.py _iter_extra): its id, and its body cut at the end of the extra
+ * fields; advances *at.  0 when no field header is left. */
+static int
+next_extra(const unsigned char *extra, Py_ssize_t len, Py_ssize_t *at, unsigned *hid,
+           const unsigned char **body, Py_ssize_t *blen)
+{
+    Py_ssize_t xp = *at, hlen;
+    if (xp + 4 > len)
+        return 0;
+    *hid = le16(extra + xp);
+    hlen = le16(extra + xp + 2);
+    *body = extra + xp + 4;
+    *blen = len - xp - 4 < hlen ? len - xp - 4 : hlen;
+    *at = xp + 4 + hlen;
+    return 1;
+}
+
 /* zip.py _ntfs_mtime: tag 1 of an NTFS extra field; returns 0 when it has none (or a zero time). */
 static int
 ntfs_mtime(const unsigned char *body, Py_ssize_t len, double *out)
@@ -349,10 +366,10 @@ plain_run(PyObject *self, PyObject *args)
         if (usize == 0xFFFFFFFFu || csize == 0xFFFFFFFFu || loff == 0xFFFFFFFFu) {
             Py_ssize_t xp = 0;
             int found = 0;
-            while (xp + 4 <= (Py_ssize_t)xlen) {
-                unsigned hid = le16(extra + xp), hlen = le16(extra + xp + 2);
-                Py_ssize_t blen = (Py_ssize_t)xlen - xp - 4 < (Py_ssize_t)hlen ? (Py_ssize_t)xlen - xp - 4 : hlen;
-                const unsigned char *body = extra + xp + 4;
+            unsigned hid;
+            const unsigned char *body;
+            Py_ssize_t blen;
+            while (next_extra(extra, xlen, &xp, &hid, &body, &blen)) {
                 if (hid == 0x0001) {
                     Py_ssize_t bp = 0;
                     found = 1;
@@ -372,7 +389,6 @@ plain_run(PyObject *self, PyObject *args)
                     }
                     break;
                 }
-                xp += 4 + hlen;
             }
             if (!found)
                 break; /* a problem the Python parser records */
@@ -382,10 +398,10 @@ plain_run(PyObject *self, PyObject *args)
             Py_ssize_t xp = 0;
             double ext = 0.0, ntfs = 0.0;
             int have_ext = 0, have_ntfs = 0, upath = 0;
-            while (xp + 4 <= (Py_ssize_t)xlen) {
-                unsigned hid = le16(extra + xp), hlen = le16(extra + xp + 2);
-                Py_ssize_t blen = (Py_ssize_t)xlen - xp - 4 < (Py_ssize_t)hlen ? (Py_ssize_t)xlen - xp - 4 : hlen;
-                const unsigned char *body = extra + xp + 4;
+            unsigned hid;
+            const unsigned char *body;
+            Py_ssize_t blen;
+            while (next_extra(extra, xlen, &xp, &hid, &body, &blen)) {
                 if (hid == 0x5455 && blen >= 5 && (body[0] & 1)) {
                     ext = (double)(int32_t)le32(body + 1);
                     have_ext = 1;
@@ -396,7 +412,6 @@ plain_run(PyObject *self, PyObject *args)
                 else if (hid == 0x7075 && blen >= 5 && body[0] == 1) {
                     upath = 1;
                 }
-                xp += 4 + hlen;
             }
             if (upath && !(gflags & FLAG_UTF8))
                 break;
