@@ -364,17 +364,18 @@ class IndexBuilder:
     def add_plain_run(self, run, *args) -> tuple[int, int]:
         """Let a native parser add a run of plain entries; returns (entries added, where it stopped).
 
-        ``run(*args, paths, lookup, dir_ids, path_bytes, path_allowance, allowance_per_entry)``
-        (``cdmlfs._zipdir.plain_run``) appends only entries that need none of :meth:`add`'s
-        special cases (a new, already normal path in a known directory) to the builder's
-        containers, as ``add`` would, and returns their columns; the caller gives every other
+        ``run(*args, paths, lookup, dir_ids, path_bytes, path_allowance, allowance_per_entry,
+        implied_dir_mode, implied_dir_mtime)`` (``cdmlfs._zipdir.plain_run``) appends only
+        entries that need none of :meth:`add`'s special cases (a new, already normal path whose
+        missing ancestors clash with nothing) to the builder's containers, with the directories
+        they imply, as ``add`` would, and returns their columns; the caller gives every other
         entry to ``add``.
         """
         ix = self._index
-        (n, stop, self._path_bytes, self._path_allowance,
+        (records, n, stop, self._path_bytes, self._path_allowance,
          kind, mode, mtime, size, method, flags, offset, comp_size, crc, parent) = run(
             *args, ix.paths, ix._lookup, self._dir_ids, self._path_bytes, self._path_allowance,
-            PATH_BYTES_PER_ENTRY,
+            PATH_BYTES_PER_ENTRY, DEFAULT_DIR_MODE, self._dir_mtime,
         )  # fmt: skip
         if n:
             ix.kind += kind
@@ -387,7 +388,7 @@ class IndexBuilder:
             ix.comp_size.frombytes(comp_size)
             ix.crc.frombytes(crc)
             ix.parent.frombytes(parent)
-        return n, stop
+        return records, stop
 
     def _make_dirs(self, path: str) -> int:
         """Create the directories implied by a path; a directory wins over a file of the same path."""

@@ -14,10 +14,12 @@
  * the plain records: tests/test_zip_native.py compares whole indexes built both ways.
  *
  * plain_run(buf, pos, end, max_records, prefix, source_size, dos_cache, paths, lookup, dir_ids,
- *           path_bytes, path_allowance, allowance_per_entry)
- *   -> (records, new_pos, path_bytes, path_allowance,
+ *           path_bytes, path_allowance, allowance_per_entry, implied_dir_mode, implied_dir_mtime)
+ *   -> (records, entries, new_pos, path_bytes, path_allowance,
  *       kind, mode, mtime, size, method, flags, offset, comp_size, crc, parent)
- * The columns are bytes in the item formats of cdmlfs.index.Index (B, H, d, Q, H, B, q, Q, I, I).
+ * The columns are bytes in the item formats of cdmlfs.index.Index (B, H, d, Q, H, B, q, Q, I, I);
+ * entries counts them: the records' entries and the directories their paths imply
+ * (IndexBuilder._make_dirs), in the order the Python builder would add them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -45,6 +47,7 @@
 #define CDH_SIG 0x02014B50u
 #define NAME_MAX_BYTES 255
 #define NTFS_EPOCH_OFFSET UINT64_C(116444736000000000)
+#define MAX_IMPLIED 32 /* directories one record may imply here; deeper names go to Python */
 
 static uint16_t
 le16(const unsigned char *p)
@@ -276,28 +279,35 @@ plain_run(PyObject *self, PyObject *args)
     Py_buffer view;
     Py_ssize_t pos, end, max_records;
     long long prefix, source_size, path_bytes, allowance, per_entry;
+    unsigned dir_mode;
+    double dir_mtime;
+    PyObject *missing[MAX_IMPLIED];
+    int n_missing = 0;
     PyObject *dos_cache, *paths, *lookup, *dir_ids;
     PyObject *last_parent = NULL, *result = NULL;
     long last_parent_id = 0;
     struct columns c;
     void *block = NULL;
-    Py_ssize_t n = 0, cap, first_eid;
+    Py_ssize_t n = 0, records = 0, cap, cap_records, first_eid;
     uint32_t dos_key = 0;
     double dos_value = 0.0;
     int dos_known = 0; /* dos_key/dos_value hold the last date looked up in dos_cache */
     int err = 0;
 
-    if (!PyArg_ParseTuple(args, "y*nnnLLO!O!O!O!LLL:plain_run", &view, &pos, &end, &max_records, &prefix,
+    if (!PyArg_ParseTuple(args, "y*nnnLLO!O!O!O!LLLId:plain_run", &view, &pos, &end, &max_records, &prefix,
                           &source_size, &PyDict_Type, &dos_cache, &PyList_Type, &paths, &PyDict_Type,
-                          &lookup, &PyDict_Type, &dir_ids, &path_bytes, &allowance, &per_entry))
+                          &lookup, &PyDict_Type, &dir_ids, &path_bytes, &allowance, &per_entry, &dir_mode,
+                          &dir_mtime))
         return NULL;
     if (pos < 0 || end > view.len || pos > end || prefix < 0 || prefix > source_size || max_records < 0) {
         PyErr_SetString(PyExc_ValueError, "plain_run: bad range");
         goto done;
     }
-    cap = (end - pos) / 46;
-    if (cap > max_records)
-        cap = max_records;
+    cap_records = (end - pos) / 46;
+    if (cap_records > max_records)
+        cap_records = max_records;
+    /* Room for one implied directory per record, and for the deepest record at the start. */
+    cap = 2 * cap_records + MAX_IMPLIED + 1;
     block = malloc((size_t)(cap ? cap : 1) * (2 + 2 * 2 + 8 * 4 + 4 * 2 + 8));
     if (!block) {
         PyErr_NoMemory();
@@ -318,7 +328,7 @@ plain_run(PyObject *self, PyObject *args)
     }
     first_eid = PyList_GET_SIZE(paths);
 
-    while (n < cap) {
+    while (records < cap_records) {
         const unsigned char *rec = (const unsigned char *)view.buf + pos;
         unsigned made_by, gflags, method, dtime, ddate, nlen, xlen, clen, system, kind, mode;
         uint32_t crc, eattr;
@@ -481,15 +491,54 @@ plain_run(PyObject *self, PyObject *args)
             break; /* a duplicate: the Python rules decide */
         }
         parent = parent_id(dir_ids, path, name, path_len, &last_parent, &last_parent_id, &err);
-        if (parent < 0) {
-            Py_DECREF(path);
-            break; /* an implied directory to create first (or an error) */
-        }
         new_allowance = allowance + per_entry;
         new_path_bytes = path_bytes + PyUnicode_GET_LENGTH(path);
-        if (new_path_bytes > new_allowance) {
+        if (parent < 0 && !err) {
+            /* IndexBuilder._make_dirs: the missing ancestors, deepest first, up to a known one. */
+            Py_ssize_t cut = PyUnicode_FindChar(path, '/', 0, PyUnicode_GET_LENGTH(path), -1);
+            int give_up = 0;
+            while (cut >= 0) {
+                PyObject *prefix_path = PyUnicode_Substring(path, 0, cut), *value;
+                if (!prefix_path) {
+                    err = 1;
+                    break;
+                }
+                value = PyDict_GetItemWithError(dir_ids, prefix_path);
+                if (value || PyErr_Occurred()) {
+                    Py_DECREF(prefix_path);
+                    parent = value ? PyLong_AsLong(value) : -1;
+                    err = PyErr_Occurred() != NULL;
+                    break;
+                }
+                /* A file of that path is hidden with a warning: the Python builder's job. */
+                if (n_missing == MAX_IMPLIED || PyDict_Contains(lookup, prefix_path) != 0) {
+                    Py_DECREF(prefix_path);
+                    err = PyErr_Occurred() != NULL;
+                    give_up = 1;
+                    break;
+                }
+                missing[n_missing++] = prefix_path;
+                new_path_bytes += PyUnicode_GET_LENGTH(prefix_path);
+                cut = cut == 0 ? -1 : PyUnicode_FindChar(path, '/', 0, cut, -1);
+                if (cut == -1) /* the root: always known, and named "" */
+                    cut = 0;
+                if (cut == -2) {
+                    err = 1;
+                    break;
+                }
+                if (cut == 0) {
+                    parent = 0;
+                    break;
+                }
+            }
+            if (give_up || err || parent < 0 || n + n_missing + 1 > cap) {
+                Py_DECREF(path);
+                break; /* back to Python (or an error, or a full run: the next call goes on) */
+            }
+        }
+        if (err || parent < 0 || new_path_bytes > new_allowance) {
             Py_DECREF(path);
-            break; /* the Python builder refuses the archive */
+            break; /* an error, or the Python builder refuses the archive */
         }
         if (!have_mtime) { /* only now: dates are computed in record order, as in Python */
             uint32_t key = ((uint32_t)ddate << 16) | dtime;
@@ -506,6 +555,34 @@ plain_run(PyObject *self, PyObject *args)
         }
         if (!(mtime >= -MAX_MTIME && mtime <= MAX_MTIME))
             mtime = mtime > 0 ? MAX_MTIME : -MAX_MTIME;
+        while (n_missing > 0) { /* the implied directories, shallowest first */
+            PyObject *dir = missing[--n_missing];
+            PyObject *eid = PyLong_FromSsize_t(first_eid + n);
+            int bad = !eid || PyList_Append(paths, dir) < 0 || PyDict_SetItem(dir_ids, dir, eid) < 0
+                      || PyDict_SetItem(lookup, dir, eid) < 0;
+            Py_XDECREF(eid);
+            Py_DECREF(dir);
+            if (bad) {
+                err = 1;
+                break;
+            }
+            c.kind[n] = KIND_DIR;
+            c.mode[n] = (uint16_t)(dir_mode & PERMISSION_BITS);
+            c.mtime[n] = dir_mtime;
+            c.parent[n] = (uint32_t)parent;
+            c.size[n] = 0;
+            c.method[n] = METHOD_STORED;
+            c.flags[n] = 0;
+            c.offset[n] = 0;
+            c.comp_size[n] = 0;
+            c.crc[n] = 0;
+            parent = (long)(first_eid + n);
+            n++;
+        }
+        if (err) {
+            Py_DECREF(path);
+            break;
+        }
         {
             PyObject *eid = PyLong_FromSsize_t(first_eid + n);
             int bad = !eid || PyList_Append(paths, path) < 0 || PyDict_SetItem(lookup, path, eid) < 0
@@ -540,12 +617,15 @@ plain_run(PyObject *self, PyObject *args)
             c.crc[n] = crc;
         }
         n++;
+        records++;
         pos += rec_len;
     }
+    while (n_missing > 0) /* a record given back to Python after its ancestors were looked up */
+        Py_DECREF(missing[--n_missing]);
     if (err)
         goto done;
     result = Py_BuildValue(
-        "nnLLy#y#y#y#y#y#y#y#y#y#", n, pos, path_bytes, allowance, (const char *)c.kind, n,
+        "nnnLLy#y#y#y#y#y#y#y#y#y#", records, n, pos, path_bytes, allowance, (const char *)c.kind, n,
         (const char *)c.mode, n * 2, (const char *)c.mtime, n * 8, (const char *)c.size, n * 8,
         (const char *)c.method, n * 2, (const char *)c.flags, n, (const char *)c.offset, n * 8,
         (const char *)c.comp_size, n * 8, (const char *)c.crc, n * 4, (const char *)c.parent, n * 4);

@@ -62,7 +62,9 @@ def _parse(data: bytes, native: bool, monkeypatch, caplog) -> tuple:
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="cdmlfs"):
         try:
-            fmt = zipfmt.ZipFormat(MemorySource(data), lambda done, total: calls.append((done, total)))
+            source = MemorySource(data)
+            source.mtime = 1_600_000_123.5  # what implied directories are dated
+            fmt = zipfmt.ZipFormat(source, lambda done, total: calls.append((done, total)))
             result: object = _snapshot(fmt.index)
         except CdmlfsError as exc:
             result = (type(exc).__name__, str(exc))
@@ -125,6 +127,13 @@ CRAFTED = {
         # in a directory already known (no implied directory sends them to Python for that reason)
         _m("ok/."), _m("ok/.."), _m("ok/./n"), _m("ok/x\\y"), _m("ok/\x00"), _m("ok//z"),
         _m("ok/" + "w" * 256), _m("ok/" + "v" * 255),
+    ],
+    "implied": [
+        _m("p/q/r/s.txt"), _m("p/q/t.txt"), _m("p/u/v.txt"), _m("f.txt"), _m("f.txt/g.txt"),
+        _m("/".join(["d"] * 40) + "/leaf"), _m("/".join(["e"] * 32) + "/leaf"), _m("e/"),
+        _m("h/i/"), _m("h/i/j"), _m(b"\xff/\xfe/x"), _m("ünï/名/x".encode(), flags=0x800),
+        *(_m(f"k{i}/file") for i in range(300)),
+        *(_m(f"m{i}/n/o/file") for i in range(200)),  # more implied entries than a run has room for
     ],
     "duplicates": [_m("x"), _m("x", b"second"), _m("x/"), _m("x/y"), _m("f/"), _m("f"), _m("g"), _m("g/h")],
     "bytes": [
@@ -304,19 +313,21 @@ def test_many_entries_cross_the_progress_boundary(native_run, monkeypatch, caplo
 
 
 def test_plain_run_adds_plain_records_and_stops_at_others(native_run):
-    """The fast path really runs: it takes the plain records and leaves the first other one."""
+    """The fast path really runs: it takes the plain records, with the directories they imply, and
+    leaves the first other one."""
     assert zipfmt.parser_backend().startswith("C for plain records")
-    members = [_m("a/x"), _m("a/y"), _m("b/z"), _m("a/w")]
+    members = [_m("a/x"), _m("a/y"), _m("b/c/z"), _m("a/w"), _m("a/x"), _m("a/v")]
     data = craft.build_zip(members)
     cd_start = len(data) - 22 - sum(CDH_SIZE + len(m.name) for m in members)
-    builder = IndexBuilder()
-    builder.add("a/", 1, 0o755, 0.0, 0, 0, 0, 0, 0)  # "a" known; "b" is not: Python implies it
+    builder = IndexBuilder(implied_dir_mtime=123.0)
+    builder.add("a/", 1, 0o700, 0.0, 0, 0, 0, 0, 0)
     n, stop = builder.add_plain_run(native_run, data, cd_start, len(data) - 22, 100, 0, len(data), {})
-    assert n == 2
-    assert stop == cd_start + 2 * (CDH_SIZE + 3)
+    assert n == 4  # up to the duplicate a/x
+    assert stop == cd_start + 4 * CDH_SIZE + 3 + 3 + 5 + 3
     index = builder.finish()
-    assert index.paths == ["", "a", "a/x", "a/y"]
-    assert index.lookup("a/y") == 3 and index.parent[3] == 1
+    assert index.paths == ["", "a", "a/x", "a/y", "b", "b/c", "b/c/z", "a/w"]
+    assert index.lookup("b/c/z") == 6 and index.parent[6] == 5 and index.parent[5] == 4
+    assert (index.mode[4], index.mtime[4], index.kind[4]) == (0o755, 123.0, 1)
     assert index.size[2] == 4 and index.offset[3] == 3 + 30 + 4  # its local header's offset
 
 
