@@ -497,7 +497,9 @@ plain_run(PyObject *self, PyObject *args)
             /* IndexBuilder._make_dirs: the missing ancestors, deepest first, up to a known one. */
             Py_ssize_t cut = PyUnicode_FindChar(path, '/', 0, PyUnicode_GET_LENGTH(path), -1);
             int give_up = 0;
-            while (cut >= 0) {
+            if (cut == -2)
+                err = 1;
+            while (cut >= 0 && !err) {
                 PyObject *prefix_path = PyUnicode_Substring(path, 0, cut), *value;
                 if (!prefix_path) {
                     err = 1;
@@ -531,14 +533,18 @@ plain_run(PyObject *self, PyObject *args)
                     break;
                 }
             }
-            if (give_up || err || parent < 0 || n + n_missing + 1 > cap) {
+            if (give_up) {
                 Py_DECREF(path);
-                break; /* back to Python (or an error, or a full run: the next call goes on) */
+                break; /* back to Python */
             }
         }
         if (err || parent < 0 || new_path_bytes > new_allowance) {
             Py_DECREF(path);
             break; /* an error, or the Python builder refuses the archive */
+        }
+        if (n + n_missing + 1 > cap) {
+            Py_DECREF(path);
+            break; /* the columns are full: the next call goes on from this record */
         }
         if (!have_mtime) { /* only now: dates are computed in record order, as in Python */
             uint32_t key = ((uint32_t)ddate << 16) | dtime;
@@ -639,7 +645,8 @@ done:
 static PyMethodDef zipdir_methods[] = {
     {"plain_run", plain_run, METH_VARARGS,
      "plain_run(buf, pos, end, max_records, prefix, source_size, dos_cache, paths, lookup, dir_ids, "
-     "path_bytes, path_allowance, allowance_per_entry) -> (records, new_pos, path_bytes, path_allowance, *columns)"},
+     "path_bytes, path_allowance, allowance_per_entry, implied_dir_mode, implied_dir_mtime) -> "
+     "(records, entries, new_pos, path_bytes, path_allowance, *columns)"},
     {NULL, NULL, 0, NULL},
 };
 

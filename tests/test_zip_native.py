@@ -300,6 +300,25 @@ def test_zipfile_and_infozip_archives(native_run, tmp_path: Path, monkeypatch, c
         assert isinstance(_assert_same(path.read_bytes(), monkeypatch, caplog, path.name), dict)
 
 
+def test_runs_that_imply_many_directories_fill_their_columns(native_run, monkeypatch, caplog):
+    """Records implying many directories each, then records in known ones: a run's column space
+    ran out and later entries were written past it (sizes, parents and kinds garbled)."""
+    import io
+
+    for deep, flat in ((2, 12), (10, 120), (20, 400)):
+        members = [_m("first")]  # the first record is always Python's
+        members += [_m(f"x{j}/" + "d/" * 31 + "leaf") for j in range(deep)]  # 32 implied each
+        members += [_m(f"f{k}") for k in range(flat)]
+        _assert_same(craft.build_zip(members), monkeypatch, caplog, f"{deep} deep, {flat} flat")
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:  # zipfile writes no directory entries
+        for i in range(79):
+            for leaf in "xyz":
+                zf.writestr(f"{i}/a/b/c/d/{leaf}", b"hello")
+    result = _assert_same(buf.getvalue(), monkeypatch, caplog, "79 samples")
+    assert {size for size, kind in zip(result["size"], result["kind"]) if kind == 0} == {5}
+
+
 def test_many_entries_cross_the_progress_boundary(native_run, monkeypatch, caplog):
     """70,000 entries: runs stop where progress is reported, so both parsers report alike."""
     members = [_m(f"d{i // 1000:03d}/f{i:05d}", b"") for i in range(70_000)]
