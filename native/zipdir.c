@@ -308,7 +308,7 @@ plain_run(PyObject *self, PyObject *args)
         cap_records = max_records;
     /* Room for one implied directory per record, and for the deepest record at the start. */
     cap = 2 * cap_records + MAX_IMPLIED + 1;
-    block = malloc((size_t)(cap ? cap : 1) * (2 + 2 * 2 + 8 * 4 + 4 * 2 + 8));
+    block = malloc((size_t)(cap ? cap : 1) * (1 + 1 + 2 * 2 + 8 * 4 + 4 * 2)); /* the 10 columns */
     if (!block) {
         PyErr_NoMemory();
         goto done;
@@ -560,7 +560,7 @@ plain_run(PyObject *self, PyObject *args)
             mtime = dos_value;
         }
         if (!(mtime >= -MAX_MTIME && mtime <= MAX_MTIME))
-            mtime = mtime > 0 ? MAX_MTIME : -MAX_MTIME;
+            mtime = mtime != mtime ? 0.0 : mtime > 0 ? MAX_MTIME : -MAX_MTIME; /* as IndexBuilder.add */
         while (n_missing > 0) { /* the implied directories, shallowest first */
             PyObject *dir = missing[--n_missing];
             PyObject *eid = PyLong_FromSsize_t(first_eid + n);
@@ -628,7 +628,7 @@ plain_run(PyObject *self, PyObject *args)
     }
     while (n_missing > 0) /* a record given back to Python after its ancestors were looked up */
         Py_DECREF(missing[--n_missing]);
-    if (err)
+    if (err) /* the caller's parse fails: what this call added to the containers is discarded with them */
         goto done;
     result = Py_BuildValue(
         "nnnLLy#y#y#y#y#y#y#y#y#y#", records, n, pos, path_bytes, allowance, (const char *)c.kind, n,
