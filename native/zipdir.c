@@ -223,6 +223,36 @@ struct columns {
     uint32_t *crc, *parent;
 };
 
+/* Row n of the columns (a directory has no data: its size, method, flags, offset and CRC are 0). */
+static void
+put_row(struct columns *c, Py_ssize_t n, unsigned kind, unsigned mode, double mtime, long parent,
+        uint64_t size, unsigned method, unsigned char flags, int64_t offset, uint64_t comp_size, uint32_t crc)
+{
+    int dir = kind == KIND_DIR;
+    c->kind[n] = (unsigned char)kind;
+    c->mode[n] = (uint16_t)(mode & PERMISSION_BITS);
+    c->mtime[n] = mtime;
+    c->parent[n] = (uint32_t)parent;
+    c->size[n] = dir ? 0 : size;
+    c->method[n] = (uint16_t)(dir ? METHOD_STORED : method);
+    c->flags[n] = dir ? 0 : flags;
+    c->offset[n] = dir ? 0 : offset;
+    c->comp_size[n] = dir ? 0 : comp_size;
+    c->crc[n] = dir ? 0 : crc;
+}
+
+/* paths.append(path); lookup[path] = dir_ids[path] (a directory) = eid: as IndexBuilder does. */
+static int
+add_path(PyObject *paths, PyObject *lookup, PyObject *dir_ids, PyObject *path, Py_ssize_t eid_value,
+         int is_dir)
+{
+    PyObject *eid = PyLong_FromSsize_t(eid_value);
+    int bad = !eid || PyList_Append(paths, path) < 0 || PyDict_SetItem(lookup, path, eid) < 0
+              || (is_dir && PyDict_SetItem(dir_ids, path, eid) < 0);
+    Py_XDECREF(eid);
+    return bad ? -1 : 0;
+}
+
 /* The parent directory's entry id, or -1 when it is not a known directory (or on error, with an
  * exception set: *err = 1).  Consecutive entries mostly share their directory: the last one is
  * remembered by its bytes (dir_ids only ever gains keys, so a found id stays right). */
@@ -563,65 +593,25 @@ plain_run(PyObject *self, PyObject *args)
             mtime = mtime != mtime ? 0.0 : mtime > 0 ? MAX_MTIME : -MAX_MTIME; /* as IndexBuilder.add */
         while (n_missing > 0) { /* the implied directories, shallowest first */
             PyObject *dir = missing[--n_missing];
-            PyObject *eid = PyLong_FromSsize_t(first_eid + n);
-            int bad = !eid || PyList_Append(paths, dir) < 0 || PyDict_SetItem(dir_ids, dir, eid) < 0
-                      || PyDict_SetItem(lookup, dir, eid) < 0;
-            Py_XDECREF(eid);
+            int bad = add_path(paths, lookup, dir_ids, dir, first_eid + n, 1);
             Py_DECREF(dir);
             if (bad) {
                 err = 1;
                 break;
             }
-            c.kind[n] = KIND_DIR;
-            c.mode[n] = (uint16_t)(dir_mode & PERMISSION_BITS);
-            c.mtime[n] = dir_mtime;
-            c.parent[n] = (uint32_t)parent;
-            c.size[n] = 0;
-            c.method[n] = METHOD_STORED;
-            c.flags[n] = 0;
-            c.offset[n] = 0;
-            c.comp_size[n] = 0;
-            c.crc[n] = 0;
+            put_row(&c, n, KIND_DIR, dir_mode, dir_mtime, parent, 0, 0, 0, 0, 0, 0);
             parent = (long)(first_eid + n);
             n++;
         }
-        if (err) {
+        if (err || add_path(paths, lookup, dir_ids, path, first_eid + n, kind == KIND_DIR) < 0) {
             Py_DECREF(path);
+            err = 1;
             break;
         }
-        {
-            PyObject *eid = PyLong_FromSsize_t(first_eid + n);
-            int bad = !eid || PyList_Append(paths, path) < 0 || PyDict_SetItem(lookup, path, eid) < 0
-                      || (kind == KIND_DIR && PyDict_SetItem(dir_ids, path, eid) < 0);
-            Py_XDECREF(eid);
-            Py_DECREF(path);
-            if (bad) {
-                err = 1;
-                break;
-            }
-        }
+        Py_DECREF(path);
         allowance = new_allowance;
         path_bytes = new_path_bytes;
-        c.kind[n] = (unsigned char)kind;
-        c.mode[n] = (uint16_t)(mode & PERMISSION_BITS);
-        c.mtime[n] = mtime;
-        c.parent[n] = (uint32_t)parent;
-        if (kind == KIND_DIR) {
-            c.size[n] = 0;
-            c.method[n] = METHOD_STORED;
-            c.flags[n] = 0;
-            c.offset[n] = 0;
-            c.comp_size[n] = 0;
-            c.crc[n] = 0;
-        }
-        else {
-            c.size[n] = usize;
-            c.method[n] = (uint16_t)method;
-            c.flags[n] = eflags;
-            c.offset[n] = offset;
-            c.comp_size[n] = csize;
-            c.crc[n] = crc;
-        }
+        put_row(&c, n, kind, mode, mtime, parent, usize, method, eflags, offset, csize, crc);
         n++;
         records++;
         pos += rec_len;
