@@ -362,7 +362,7 @@ class IndexBuilder:
         return eid
 
     def add_plain_run(self, run, *args) -> tuple[int, int]:
-        """Let a native parser add a run of plain entries; returns (entries added, where it stopped).
+        """Let a native parser add a run of plain records; returns (records taken, where it stopped).
 
         ``run(*args, paths, lookup, dir_ids, path_bytes, path_allowance, allowance_per_entry,
         implied_dir_mode, implied_dir_mtime)`` (``cdmlfs._zipdir.plain_run``) appends only

@@ -253,54 +253,66 @@ add_path(PyObject *paths, PyObject *lookup, PyObject *dir_ids, PyObject *path, P
     return bad ? -1 : 0;
 }
 
-/* The parent directory's entry id, or -1 when it is not a known directory (or on error, with an
- * exception set: *err = 1).  Consecutive entries mostly share their directory: the last one is
+/* The entry id of path's parent directory, as IndexBuilder.add finds it, or -1 to leave the
+ * record to Python (or on error: *err = 1, an exception set).  Missing ancestors, which
+ * IndexBuilder._make_dirs would create, go to missing[] deepest first and their characters to
+ * *path_chars; one that is a file already (a warning) or more than MAX_IMPLIED of them leave the
+ * record to Python.  Consecutive entries mostly share their directory: the last one found is
  * remembered by its bytes (dir_ids only ever gains keys, so a found id stays right). */
 static long
-parent_id(PyObject *dir_ids, PyObject *path, const unsigned char *raw, Py_ssize_t raw_len,
-          PyObject **last_parent, long *last_id, int *err)
+parent_dir(PyObject *dir_ids, PyObject *lookup, PyObject *path, const unsigned char *raw,
+           Py_ssize_t raw_len, PyObject **last_parent, long *last_id, PyObject **missing, int *n_missing,
+           long long *path_chars, int *err)
 {
-    Py_ssize_t cut = raw_len;
-    PyObject *parent, *value;
-    long id;
+    Py_ssize_t cut = raw_len, end;
     while (cut > 0 && raw[cut - 1] != '/')
         cut--;
     cut = cut > 0 ? cut - 1 : 0; /* bytes of the parent path */
     if (*last_parent && PyBytes_GET_SIZE(*last_parent) == cut
         && memcmp(PyBytes_AS_STRING(*last_parent), raw, (size_t)cut) == 0)
         return *last_id;
-    {
-        Py_ssize_t slash = PyUnicode_FindChar(path, '/', 0, PyUnicode_GET_LENGTH(path), -1);
-        if (slash == -2) {
-            *err = 1;
+    end = PyUnicode_FindChar(path, '/', 0, PyUnicode_GET_LENGTH(path), -1);
+    for (;;) {
+        PyObject *prefix, *value;
+        int clash;
+        if (end == -2)
+            goto error;
+        if (end == -1)
+            end = 0; /* the root, named "" */
+        if (!(prefix = PyUnicode_Substring(path, 0, end)))
+            goto error;
+        value = PyDict_GetItemWithError(dir_ids, prefix);
+        if (value) {
+            long id = PyLong_AsLong(value);
+            Py_DECREF(prefix);
+            if (id == -1 && PyErr_Occurred())
+                goto error;
+            if (*n_missing == 0) {
+                Py_XDECREF(*last_parent);
+                if (!(*last_parent = PyBytes_FromStringAndSize((const char *)raw, cut)))
+                    goto error;
+                *last_id = id;
+            }
+            return id;
+        }
+        if (PyErr_Occurred()) {
+            Py_DECREF(prefix);
+            goto error;
+        }
+        clash = end == 0 || *n_missing == MAX_IMPLIED ? 1 : PyDict_Contains(lookup, prefix);
+        if (clash != 0) {
+            Py_DECREF(prefix);
+            if (clash < 0)
+                goto error;
             return -1;
         }
-        parent = slash < 0 ? PyUnicode_FromStringAndSize("", 0) : PyUnicode_Substring(path, 0, slash);
+        missing[(*n_missing)++] = prefix;
+        *path_chars += PyUnicode_GET_LENGTH(prefix);
+        end = PyUnicode_FindChar(path, '/', 0, end, -1);
     }
-    if (!parent) {
-        *err = 1;
-        return -1;
-    }
-    value = PyDict_GetItemWithError(dir_ids, parent);
-    Py_DECREF(parent);
-    if (!value) {
-        if (PyErr_Occurred())
-            *err = 1;
-        return -1;
-    }
-    id = PyLong_AsLong(value);
-    if (id == -1 && PyErr_Occurred()) {
-        *err = 1;
-        return -1;
-    }
-    Py_XDECREF(*last_parent);
-    *last_parent = PyBytes_FromStringAndSize((const char *)raw, cut);
-    if (!*last_parent) {
-        *err = 1;
-        return -1;
-    }
-    *last_id = id;
-    return id;
+error:
+    *err = 1;
+    return -1;
 }
 
 static PyObject *
@@ -520,57 +532,13 @@ plain_run(PyObject *self, PyObject *args)
             err = PyErr_Occurred() != NULL;
             break; /* a duplicate: the Python rules decide */
         }
-        parent = parent_id(dir_ids, path, name, path_len, &last_parent, &last_parent_id, &err);
         new_allowance = allowance + per_entry;
         new_path_bytes = path_bytes + PyUnicode_GET_LENGTH(path);
-        if (parent < 0 && !err) {
-            /* IndexBuilder._make_dirs: the missing ancestors, deepest first, up to a known one. */
-            Py_ssize_t cut = PyUnicode_FindChar(path, '/', 0, PyUnicode_GET_LENGTH(path), -1);
-            int give_up = 0;
-            if (cut == -2)
-                err = 1;
-            while (cut >= 0 && !err) {
-                PyObject *prefix_path = PyUnicode_Substring(path, 0, cut), *value;
-                if (!prefix_path) {
-                    err = 1;
-                    break;
-                }
-                value = PyDict_GetItemWithError(dir_ids, prefix_path);
-                if (value || PyErr_Occurred()) {
-                    Py_DECREF(prefix_path);
-                    parent = value ? PyLong_AsLong(value) : -1;
-                    err = PyErr_Occurred() != NULL;
-                    break;
-                }
-                /* A file of that path is hidden with a warning: the Python builder's job. */
-                if (n_missing == MAX_IMPLIED || PyDict_Contains(lookup, prefix_path) != 0) {
-                    Py_DECREF(prefix_path);
-                    err = PyErr_Occurred() != NULL;
-                    give_up = 1;
-                    break;
-                }
-                missing[n_missing++] = prefix_path;
-                new_path_bytes += PyUnicode_GET_LENGTH(prefix_path);
-                cut = cut == 0 ? -1 : PyUnicode_FindChar(path, '/', 0, cut, -1);
-                if (cut == -1) /* the root: always known, and named "" */
-                    cut = 0;
-                if (cut == -2) {
-                    err = 1;
-                    break;
-                }
-                if (cut == 0) {
-                    parent = 0;
-                    break;
-                }
-            }
-            if (give_up) {
-                Py_DECREF(path);
-                break; /* back to Python */
-            }
-        }
-        if (err || parent < 0 || new_path_bytes > new_allowance) {
+        parent = parent_dir(dir_ids, lookup, path, name, path_len, &last_parent, &last_parent_id, missing,
+                            &n_missing, &new_path_bytes, &err);
+        if (parent < 0 || new_path_bytes > new_allowance) {
             Py_DECREF(path);
-            break; /* an error, or the Python builder refuses the archive */
+            break; /* back to Python (or an error); over the budget, the Python builder refuses it */
         }
         if (n + n_missing + 1 > cap) {
             Py_DECREF(path);

@@ -15,7 +15,6 @@ comments. Encrypted members are indexed and refuse to read with EACCES.
 from __future__ import annotations
 
 import logging
-import os
 import stat as statmod
 import struct
 import time
@@ -23,6 +22,7 @@ import zlib
 from array import array
 from collections.abc import Callable
 
+from cdmlfs import extensions
 from cdmlfs.errors import ArchiveFormatError, CorruptMemberError
 from cdmlfs.index import (
     DIR,
@@ -40,30 +40,28 @@ from cdmlfs.sources.base import Source
 log = logging.getLogger(__name__)
 
 
-def _load_plain_run():
-    """``cdmlfs._zipdir.plain_run`` (the C parse of plain records), or None: not built, or
-    ``CDMLFS_ZIPDIR=0`` (tests compare both parsers), or columns of another item size."""
-    if os.environ.get("CDMLFS_ZIPDIR", "1") == "0":
-        return None
-    try:
-        from cdmlfs._zipdir import plain_run
-    except ImportError:
-        return None
-    sizes = {code: array(code).itemsize for code in "HdQqI"}
-    if sizes != {"H": 2, "d": 8, "Q": 8, "q": 8, "I": 4}:
-        return None
-    return plain_run
+def _load_plain_run() -> tuple[Callable | None, str]:
+    """``cdmlfs._zipdir.plain_run`` (the C parse of plain records) or None, and why, for ``doctor``:
+    off when not built, with ``CDMLFS_ZIPDIR=0`` (tests compare both parsers), or when the index
+    columns have other item sizes than the C writes."""
+    usable, why = extensions.availability(
+        "cdmlfs._zipdir", "CDMLFS_ZIPDIR", None, "C for plain records (cdmlfs._zipdir), Python for the rest"
+    )
+    if not usable:
+        return None, f"Python ({why})"
+    if {code: array(code).itemsize for code in "HdQqI"} != {"H": 2, "d": 8, "Q": 8, "q": 8, "I": 4}:
+        return None, "Python (index columns of other item sizes than cdmlfs._zipdir writes)"
+    from cdmlfs._zipdir import plain_run
+
+    return plain_run, why
 
 
-PLAIN_RUN = _load_plain_run()
+PLAIN_RUN, _PARSER = _load_plain_run()
 
 
 def parser_backend() -> str:
     """What parses central directories, for ``cdmlfs doctor``."""
-    if PLAIN_RUN is not None:
-        return "C for plain records (cdmlfs._zipdir), Python for the rest"
-    why = "disabled by CDMLFS_ZIPDIR=0" if os.environ.get("CDMLFS_ZIPDIR", "1") == "0" else "not built"
-    return f"Python (cdmlfs._zipdir {why})"
+    return _PARSER
 
 
 EOCD = struct.Struct("<IHHHHIIH")  # end of central directory record (22 bytes)
