@@ -496,6 +496,7 @@ py_inflate_into(PyObject *self, PyObject *args, PyObject *kwargs)
         PyBuffer_Release(&out);
         return NULL;
     }
+    Py_ssize_t written = out.len; /* read before the view is released */
     Py_BEGIN_ALLOW_THREADS
     inflate_member(in.buf, (size_t)in.len, out.buf, (size_t)out.len, crc, &r);
     Py_END_ALLOW_THREADS
@@ -503,7 +504,7 @@ py_inflate_into(PyObject *self, PyObject *args, PyObject *kwargs)
     PyBuffer_Release(&out);
     if (r.st != ST_OK)
         return raise_result(&r);
-    return PyLong_FromSsize_t(out.len);
+    return PyLong_FromSsize_t(written);
 }
 
 static PyObject *
@@ -759,7 +760,7 @@ ZranBuilder_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         return NULL;
     b->size = size;
     b->spacing = spacing;
-    b->n_intervals = (size + spacing - 1) / spacing;
+    b->n_intervals = size / spacing + (size % spacing != 0); /* no size + spacing: it may overflow */
     b->point_of = calloc((size_t)b->n_intervals + 1, sizeof(int64_t));
     b->ends = calloc((size_t)b->n_intervals + 1, sizeof(int64_t));
     b->scratch = malloc(SCRATCH_SIZE);

@@ -824,8 +824,17 @@ static PyTypeObject FastPathType = {
     .tp_getset = FastPath_getset,
 };
 
+/* Empty, but present: faulthandler's crash report lists only extension modules with a methods table. */
+static PyMethodDef fastpath_module_methods[] = {
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef fastpath_module = {
-    PyModuleDef_HEAD_INIT, "cdmlfs._fastpath", "C getattr/read callbacks for libfuse3's high-level API.", -1, NULL,
+    PyModuleDef_HEAD_INIT,
+    .m_name = "cdmlfs._fastpath",
+    .m_doc = "C getattr/read callbacks for libfuse3's high-level API.",
+    .m_size = -1,
+    .m_methods = fastpath_module_methods,
 };
 
 PyMODINIT_FUNC

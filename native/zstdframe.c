@@ -353,11 +353,18 @@ static PyTypeObject FrameDecoderType = {
     .tp_getset = FrameDecoder_getset,
 };
 
+/* No module-level functions; a methods table all the same, because faulthandler's crash report
+ * lists only extension modules that have one, and a crash report should name every module of ours. */
+static PyMethodDef zstdframe_methods[] = {
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef zstdframe_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "cdmlfs._zstdframe",
     .m_doc = "libzstd frame decoder for cdmlfs; use cdmlfs.formats.zstdframes, not this module.",
     .m_size = -1,
+    .m_methods = zstdframe_methods,
 };
 
 PyMODINIT_FUNC
@@ -375,12 +382,18 @@ PyInit__zstdframe(void)
         Py_DECREF(m);
         return NULL;
     }
+    /* PyModule_AddObject takes the reference only when it succeeds. */
     Py_INCREF(DecodeError);
-    if (PyModule_AddObject(m, "DecodeError", DecodeError) < 0
-        || PyModule_AddObject(m, "FrameDecoder", (PyObject *)&FrameDecoderType) < 0) {
+    if (PyModule_AddObject(m, "DecodeError", DecodeError) < 0) {
+        Py_DECREF(DecodeError);
         Py_DECREF(m);
         return NULL;
     }
     Py_INCREF(&FrameDecoderType);
+    if (PyModule_AddObject(m, "FrameDecoder", (PyObject *)&FrameDecoderType) < 0) {
+        Py_DECREF(&FrameDecoderType);
+        Py_DECREF(m);
+        return NULL;
+    }
     return m;
 }

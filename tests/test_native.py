@@ -118,6 +118,29 @@ def test_default_interpreter_uses_native():
     assert res.stdout.strip() == "native"
 
 
+OUR_EXTENSIONS = (
+    "cdmlfs._native",
+    "cdmlfs._fastpath",
+    "cdmlfs._zstdframe",
+    "cdmlfs._fuseloop",
+    "cdmlfs._zipdir",
+)
+
+
+def test_a_crash_report_names_every_extension_of_ours():
+    """faulthandler lists only extension modules that have a methods table: without one, a
+    segfault's report (the first thing to read after a crash) would not show that ours were loaded."""
+    for name in OUR_EXTENSIONS:
+        native_module(name)
+    code = f"import faulthandler; [__import__(m) for m in {OUR_EXTENSIONS!r}]; faulthandler._sigsegv()"
+    res = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True)
+    assert res.returncode != 0
+    listed = [line for line in res.stderr.splitlines() if line.startswith("Extension modules:")]
+    assert listed, res.stderr
+    for name in OUR_EXTENSIONS:
+        assert name in listed[0], (name, listed[0])
+
+
 # ------------------------------------------------------ identical bytes to zlib
 
 
