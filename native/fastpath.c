@@ -312,8 +312,9 @@ resolve_local_header(FastPath *t, Py_ssize_t e, int64_t *data_at)
         return -1;
     int64_t nlen = h[26] | (h[27] << 8), xlen = h[28] | (h[29] << 8);
     int64_t d = at + 30 + nlen + xlen;
-    if (d + (int64_t)COL(t, COL_COMP, uint64_t)[e] > t->file_size)
-        return -1;
+    /* Unsigned: a ZIP64 size near 2^64 is clamped to 2^63 - 1, and d + that would wrap negative. */
+    if (d > t->file_size || COL(t, COL_COMP, uint64_t)[e] > (uint64_t)(t->file_size - d))
+        return -1; /* Python says why (the member's data runs past the end of the archive) */
     __atomic_store_n(&resolved[e], d, __ATOMIC_RELAXED);
     *data_at = d;
     return 0;
@@ -442,6 +443,8 @@ fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
         atomic_fetch_add_explicit(&t->bytes_source, from_source, memory_order_relaxed);
         return (int)n;
     }
+    if (verified[e] == V_CORRUPT)
+        goto slow; /* a member that failed once fails on every later read (Python answers EIO) */
     /* Deflate: whole small members only (the kernel's first read of a small file covers it). */
     uint64_t comp = COL(t, COL_COMP, uint64_t)[e];
     if (off != 0 || size < total || (int64_t)total > t->whole_limit || comp > (uint64_t)t->whole_limit + 1024 ||

@@ -35,6 +35,8 @@ import os, sys
 path, offset, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 try:
     fd = os.open(path, os.O_RDONLY)
+    if len(sys.argv) > 4:  # drop the file's pages first (what memory pressure does)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     data = os.pread(fd, size, offset)
     sys.stdout.buffer.write(b"OK" + data)
 except OSError as exc:
@@ -42,10 +44,13 @@ except OSError as exc:
 """
 
 
-def read_bounded(path: Path, offset: int = 0, size: int = 4096, timeout: float = 60) -> bytes | int:
-    """pread in a child process (a read stuck in the kernel cannot wedge the test); bytes or errno."""
+def read_bounded(
+    path: Path, offset: int = 0, size: int = 4096, timeout: float = 60, drop_pages: bool = False
+) -> bytes | int:
+    """pread in a child process (a read stuck in the kernel cannot wedge the test); bytes or errno.
+    ``drop_pages``: the kernel lets go of the file's cached pages first (POSIX_FADV_DONTNEED)."""
     res = subprocess.run(
-        [sys.executable, "-c", READER, str(path), str(offset), str(size)],
+        [sys.executable, "-c", READER, str(path), str(offset), str(size), *(["drop"] if drop_pages else [])],
         capture_output=True,
         timeout=timeout,
     )
@@ -151,6 +156,53 @@ def test_lying_local_headers_are_eio_on_both_paths(both_paths: str, tmp_path: Pa
             assert read_bounded(mnt / name, 0, 1 << 16) == data
         assert read_bounded(mnt / "after", 0, 1 << 16) == b"after " * 100
         assert _alive(pid)
+
+
+def test_a_zip64_size_near_2_64_is_eio_for_the_right_reason_on_both_paths(
+    both_paths: str, tmp_path: Path, mnt: Path
+) -> None:
+    """A compressed size of 2^64 - 1 (clamped to 2^63 - 1 in the index) made the C bounds check
+    overflow: it accepted the data offset, and Python then reported a read outside the file instead
+    of the member's data running past the end of the archive."""
+    huge = craft.member("huge.txt", b"hello world " * 100, comp_size=(1 << 64) - 1)
+    archive = tmp_path / "huge.zip"
+    archive.write_bytes(craft.build_zip([huge, craft.member("ok", b"fine")]))
+    log = tmp_path / "daemon.log"
+    with mounted(archive, mnt, log_file=log):
+        assert read_bounded(mnt / "huge.txt", 0, 1 << 16) == errno.EIO
+        assert read_bounded(mnt / "ok", 0, 1 << 16) == b"fine"
+    text = log.read_text()
+    assert "huge.txt" in text and "member data extends past the end of the archive" in text, text
+
+
+def test_a_member_that_failed_stays_eio_when_its_bytes_come_back(
+    both_paths: str, tmp_path: Path, mnt: Path
+) -> None:
+    """Once a member has failed its check, every later read of it fails (README "Integrity"), here
+    after its damaged byte is put back in the archive under the mount. The C path re-checked small
+    deflated members on every read and served this one again, once the kernel had let go of the
+    pages of the failed read (which it otherwise re-reads a page at a time, a read C leaves to
+    Python)."""
+    data = {"victim.txt": text_of(40_000), "ok.txt": b"fine"}
+    archive = tmp_path / "m.zip"
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, content in data.items():
+            zf.writestr(name, content)
+    with mounted(archive, mnt):
+        flip_byte_in_member(archive, "victim.txt")
+        assert read_bounded(mnt / "victim.txt", 0, 1 << 17) == errno.EIO
+        flip_byte_in_member(archive, "victim.txt")  # the same byte flipped back: the CRC matches again
+        with zipfile.ZipFile(archive) as zf:
+            assert zf.read("victim.txt") == data["victim.txt"]
+        for _ in range(2):
+            assert read_bounded(mnt / "victim.txt", 0, 1 << 17, drop_pages=True) == errno.EIO
+        assert read_bounded(mnt / "ok.txt", 0, 1 << 16) == b"fine"
+
+
+def text_of(n: int) -> bytes:
+    words = [b"alpha", b"beta", b"gamma", b"delta", b"epoch", b"tensor"]
+    rng = random.Random(n)
+    return b" ".join(rng.choice(words) for _ in range(n // 5))[:n]
 
 
 def test_five_thousand_levels_deep_mount(tmp_path: Path, mnt: Path) -> None:
