@@ -627,9 +627,10 @@ FastPath_activate(FastPath *self, PyObject *args)
     self->py_ioctl = (ioctl_fn)(uintptr_t)x;
     self->stats_request = stats_request;
     self->py_readdir = (readdir_fn)(uintptr_t)d;
-    Py_INCREF(self); /* the C callbacks may run until the process ends */
-    if (active)
-        Py_DECREF(active);
+    /* The C callbacks may run until the process ends, so an active table is never released: not
+     * even when another replaces it (only tests activate twice), as a callback on another thread
+     * may still be reading the earlier one. */
+    Py_INCREF(self);
     active = self;
     return Py_BuildValue("KKKK", (unsigned long long)(uintptr_t)fp_getattr, (unsigned long long)(uintptr_t)fp_read,
                          (unsigned long long)(x ? (uintptr_t)fp_ioctl : 0),

@@ -184,8 +184,13 @@ FrameDecoder_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         Py_DECREF(d);
         return PyErr_NoMemory();
     }
-    if (ZSTD_isError(ZSTD_DCtx_setParameter(d->dctx, ZSTD_d_windowLogMax, wlog))
-        || ZSTD_isError(ZSTD_DCtx_setParameter(d->dctx, ZSTD_d_stableOutBuffer, 1))
+    if (ZSTD_isError(ZSTD_DCtx_setParameter(d->dctx, ZSTD_d_windowLogMax, wlog))) {
+        Py_DECREF(d);
+        ZSTD_bounds b = ZSTD_dParam_getBounds(ZSTD_d_windowLogMax);
+        return PyErr_Format(PyExc_ValueError, "window_log_max %d is outside %d..%d", wlog, b.lowerBound,
+                            b.upperBound);
+    }
+    if (ZSTD_isError(ZSTD_DCtx_setParameter(d->dctx, ZSTD_d_stableOutBuffer, 1))
         || ZSTD_isError(ZSTD_DCtx_setParameter(d->dctx, ZSTD_d_forceIgnoreChecksum, 1))) {
         Py_DECREF(d);
         PyErr_SetString(PyExc_RuntimeError, "this libzstd lacks ZSTD_d_stableOutBuffer or forceIgnoreChecksum");

@@ -442,6 +442,14 @@ def test_spares_stay_within_the_cache_and_are_used(packed: Path, src: Path, tmp_
         assert worker.spares_used >= 1  # waiting for each frame left time to prepare spares
 
 
+def test_a_window_limit_out_of_range_says_so() -> None:
+    mod = native_module("cdmlfs._zstdframe")
+    for bad in (5, 40, -1):
+        with pytest.raises(ValueError, match=f"window_log_max {bad} is outside"):
+            mod.FrameDecoder(bad)
+    assert mod.FrameDecoder(27).pos == 0
+
+
 def test_populate_faults_pages_in_and_keeps_their_bytes() -> None:
     """Spares are pre-faulted by cdmlfs._zstdframe.populate: after it, writing them faults nothing,
     and a buffer that already holds bytes keeps them (any start offset, not only page-aligned)."""
