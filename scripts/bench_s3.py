@@ -17,6 +17,9 @@ Rounds alternate between contenders (the machine is shared and small); medians
 are reported, and every ratio compares figures measured in this run.
 
     .venv/bin/python scripts/bench_s3.py [--rounds 3] [--ratarmount /path/to/ratarmount]
+
+ratarmount is installed with pip, with s3fs for its S3 support, into its own venv (the default
+``--ratarmount`` path's, /tmp/bench-venvs/ratarmount) when it is missing there or lacks s3fs.
 """
 
 from __future__ import annotations
@@ -239,7 +242,7 @@ def main() -> int:
     ap.add_argument("--small", type=int, default=50_000, help="number of 2 KiB members (default 50000)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--members", type=int, default=100, help="random members read per round")
-    ap.add_argument("--ratarmount", default="/tmp/bench-venvs/ratarmount/bin/ratarmount")
+    ap.add_argument("--ratarmount", default=DEFAULT_RATARMOUNT)
     ap.add_argument("--skip", choices=("random", "sequential"), action="append", default=[])
     args = ap.parse_args()
     work: Path = args.workdir
@@ -267,9 +270,38 @@ def main() -> int:
     return 0
 
 
+DEFAULT_RATARMOUNT = "/tmp/bench-venvs/ratarmount/bin/ratarmount"
+
+
+def ensure_ratarmount_s3(exe: str) -> bool:
+    """ratarmount with its S3 support (s3fs, which brings fsspec) in the venv ``exe`` lives in,
+    installed there with pip when missing (a ratarmount installed for bench_zip lacks s3fs: every
+    S3 mount then failed with "fsspec was not found")."""
+    venv = Path(exe).parent.parent
+    python = venv / "bin" / "python"
+    if (
+        Path(exe).exists()
+        and python.exists()
+        and subprocess.run([str(python), "-c", "import s3fs"], capture_output=True).returncode == 0
+    ):
+        return True
+    if exe != DEFAULT_RATARMOUNT and not python.exists():
+        print(f"  {exe}: no venv to install s3fs into; ratarmount skipped")
+        return False
+    print(f"installing ratarmount and s3fs into {venv} ...", flush=True)
+    try:
+        if not python.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "ratarmount", "s3fs"], check=True)
+    except subprocess.CalledProcessError as exc:
+        print(f"  ratarmount unavailable ({exc}); skipping it")
+        return False
+    return Path(exe).exists()
+
+
 def bench_random(args, server, smalls, cd_size: int, work: Path) -> None:
     rng = random.Random(42)
-    have_ratarmount = os.path.exists(args.ratarmount)
+    have_ratarmount = ensure_ratarmount_s3(args.ratarmount)
     results: dict[str, list[dict]] = {"cdmlfs": [], "ratarmount": []}
     print(f"\n== {args.members} random 2 KiB members through a fresh FUSE mount, {args.rounds} rounds ==")
     for r in range(args.rounds):
