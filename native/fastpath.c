@@ -416,17 +416,17 @@ fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
     }
     if ((method != M_STORED && method != M_DEFLATE) || t->fd < 0)
         goto slow;
+    uint8_t *verified = COL(t, COL_VERIFIED, uint8_t);
+    if (verified[e] == V_CORRUPT)
+        goto slow; /* a member that failed once fails on every later read: Python answers EIO */
     int64_t data_at;
     if (resolve_local_header(t, e, &data_at) != 0)
         goto slow;
-    uint8_t *verified = COL(t, COL_VERIFIED, uint8_t);
     uint32_t crc = COL(t, COL_CRC, uint32_t)[e];
     if (method == M_STORED) {
         size_t n = (size_t)((uint64_t)off + size > total ? total - (uint64_t)off : size);
         uint64_t from_source = n;
-        if (verified[e] == V_CORRUPT) {
-            goto slow; /* Python answers EIO and names the member */
-        } else if (verified[e] == V_VERIFIED) {
+        if (verified[e] == V_VERIFIED) {
             if (pread_full(t->fd, buf, n, data_at + off) != 0)
                 goto slow;
         } else {
@@ -443,8 +443,6 @@ fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
         atomic_fetch_add_explicit(&t->bytes_source, from_source, memory_order_relaxed);
         return (int)n;
     }
-    if (verified[e] == V_CORRUPT)
-        goto slow; /* a member that failed once fails on every later read (Python answers EIO) */
     /* Deflate: whole small members only (the kernel's first read of a small file covers it). */
     uint64_t comp = COL(t, COL_COMP, uint64_t)[e];
     if (off != 0 || size < total || (int64_t)total > t->whole_limit || comp > (uint64_t)t->whole_limit + 1024 ||
