@@ -20,7 +20,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from archives import flip_byte_in_member
+from archives import flip_byte_in_member, text_bytes
 from fuzz import craft
 from mountutil import daemon_pid, hwm_kib, is_mounted, mount_stats, mounted, rss_kib, run_cli
 from test_hostile import FILE_ABC, _base256, _pax, _tar_block, zeros_member
@@ -183,7 +183,7 @@ def test_a_member_that_failed_stays_eio_when_its_bytes_come_back(
     deflated members on every read and served this one again, once the kernel had let go of the
     pages of the failed read (which it otherwise re-reads a page at a time, a read C leaves to
     Python)."""
-    data = {"victim.txt": text_of(40_000), "ok.txt": b"fine"}
+    data = {"victim.txt": text_bytes(40_000, 7), "ok.txt": b"fine"}
     archive = tmp_path / "m.zip"
     with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as zf:
         for name, content in data.items():
@@ -197,12 +197,6 @@ def test_a_member_that_failed_stays_eio_when_its_bytes_come_back(
         for _ in range(2):
             assert read_bounded(mnt / "victim.txt", 0, 1 << 17, drop_pages=True) == errno.EIO
         assert read_bounded(mnt / "ok.txt", 0, 1 << 16) == b"fine"
-
-
-def text_of(n: int) -> bytes:
-    words = [b"alpha", b"beta", b"gamma", b"delta", b"epoch", b"tensor"]
-    rng = random.Random(n)
-    return b" ".join(rng.choice(words) for _ in range(n // 5))[:n]
 
 
 def test_five_thousand_levels_deep_mount(tmp_path: Path, mnt: Path) -> None:
