@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from mountutil import force_unmount, is_mounted, mounted  # noqa: E402
+from ratarmount_venv import DEFAULT_VENV, ensure_ratarmount  # noqa: E402 (scripts/, this file's directory)
 from s3util import DUMMY_ENV, FaultProxy, dummy_credentials, start_localbucket  # noqa: E402
 
 MiB = 1 << 20
@@ -270,38 +271,22 @@ def main() -> int:
     return 0
 
 
-DEFAULT_RATARMOUNT = "/tmp/bench-venvs/ratarmount/bin/ratarmount"
+DEFAULT_RATARMOUNT = str(DEFAULT_VENV / "bin" / "ratarmount")
 
 
-def ensure_ratarmount_s3(exe: str) -> bool:
-    """ratarmount with its S3 support (s3fs, which brings fsspec) in the venv ``exe`` lives in,
-    installed there with pip when missing (a ratarmount installed for bench_zip lacks s3fs: every
-    S3 mount then failed with "fsspec was not found")."""
+def ratarmount_with_s3(exe: str) -> bool:
+    """Whether ratarmount ``exe`` can mount s3:// URIs: s3fs installed into its venv when missing
+    (a venv that ``--ratarmount`` names without one is used as it is)."""
     venv = Path(exe).parent.parent
-    python = venv / "bin" / "python"
-    if (
-        Path(exe).exists()
-        and python.exists()
-        and subprocess.run([str(python), "-c", "import s3fs"], capture_output=True).returncode == 0
-    ):
-        return True
-    if exe != DEFAULT_RATARMOUNT and not python.exists():
+    if exe != DEFAULT_RATARMOUNT and not (venv / "bin" / "python").exists():
         print(f"  {exe}: no venv to install s3fs into; ratarmount skipped")
         return False
-    print(f"installing ratarmount and s3fs into {venv} ...", flush=True)
-    try:
-        if not python.exists():
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "ratarmount", "s3fs"], check=True)
-    except subprocess.CalledProcessError as exc:
-        print(f"  ratarmount unavailable ({exc}); skipping it")
-        return False
-    return Path(exe).exists()
+    return ensure_ratarmount(venv, ("s3fs",)) is not None
 
 
 def bench_random(args, server, smalls, cd_size: int, work: Path) -> None:
     rng = random.Random(42)
-    have_ratarmount = ensure_ratarmount_s3(args.ratarmount)
+    have_ratarmount = ratarmount_with_s3(args.ratarmount)
     results: dict[str, list[dict]] = {"cdmlfs": [], "ratarmount": []}
     print(f"\n== {args.members} random 2 KiB members through a fresh FUSE mount, {args.rounds} rounds ==")
     for r in range(args.rounds):

@@ -55,6 +55,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from ratarmount_venv import DEFAULT_VENV, ensure_ratarmount  # noqa: E402 (scripts/, this file's directory)
+
 from cdmlfs.mountpoints import is_mounted  # noqa: E402 (after the path fix above)
 
 PY = sys.executable
@@ -131,21 +133,6 @@ def ratarmount_mount(ratarmount: Path, archive: Path, mnt: Path, index_dir: Path
     return Mount([str(ratarmount), "--index-folders", str(index_dir), str(archive), str(mnt)], mnt, archive)
 
 
-def ensure_ratarmount(venv: Path) -> Path | None:
-    exe = venv / "bin" / "ratarmount"
-    if exe.exists():
-        return exe
-    log(f"installing ratarmount into {venv} ...")
-    try:
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "ratarmount"], check=True)
-    except (subprocess.CalledProcessError, OSError) as exc:
-        log(f"ratarmount unavailable ({exc}): skipping its baselines")
-        return None
-    return exe
-
-
-# -- measurements -------------------------------------------------------------------------------
 def warm(path: Path) -> None:
     """Read a whole archive into the page cache before a tool's round: this VM reclaims cold page
     cache proactively (a kdamond pages it out), and a round that reads from disk measures the disk."""
@@ -192,7 +179,7 @@ def list_then_read_in_order(mnt: Path, order: list[str]) -> tuple[int, float]:
     t = time.perf_counter()
     for _ in os.walk(mnt):
         pass
-    total = sum(read_file(mnt / name) for name in order)
+    total, _ = read_in_order(mnt, order)
     return total, time.perf_counter() - t
 
 
@@ -262,7 +249,7 @@ def main() -> int:
     )
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/cdmlfs-bench-tar"))
     ap.add_argument("--shm", type=Path, default=Path("/dev/shm/cdmlfs-bench-tar"))
-    ap.add_argument("--ratarmount-venv", type=Path, default=Path("/tmp/bench-venvs/ratarmount"))
+    ap.add_argument("--ratarmount-venv", type=Path, default=DEFAULT_VENV)
     ap.add_argument("--skip-ratarmount", action="store_true")
     args = ap.parse_args()
 
@@ -307,7 +294,7 @@ def main() -> int:
             how = ar.format.index_source
         log(f"cdmlfs open of {path.name}: {first_index:.2f}s (index from {how})")
 
-    ratarmount = None if args.skip_ratarmount else ensure_ratarmount(args.ratarmount_venv)
+    ratarmount = None if args.skip_ratarmount else ensure_ratarmount(args.ratarmount_venv, say=log)
     mnt = work / "mnt"
     tools: dict[str, Mount] = {
         "cdmlfs/seekable": cdmlfs_mount(seekable, mnt, cidx),

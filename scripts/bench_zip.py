@@ -36,9 +36,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ratarmount_venv import DEFAULT_VENV, ensure_ratarmount  # noqa: E402 (scripts/, this file's directory)
+
 from cdmlfs.mountpoints import is_mounted  # noqa: E402 (after the path fix above)
 
-RATARMOUNT_VENV = Path(os.environ.get("RATARMOUNT_VENV", "/tmp/bench-venvs/ratarmount"))
+RATARMOUNT_VENV = Path(os.environ.get("RATARMOUNT_VENV", DEFAULT_VENV))
 
 
 # -- datasets ------------------------------------------------------------------------
@@ -166,20 +168,6 @@ class RatarmountMount:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-
-
-def ensure_ratarmount() -> bool:
-    exe = RATARMOUNT_VENV / "bin" / "ratarmount"
-    if exe.exists():
-        return True
-    print(f"installing ratarmount into {RATARMOUNT_VENV} ...", flush=True)
-    try:
-        subprocess.run([sys.executable, "-m", "venv", str(RATARMOUNT_VENV)], check=True)
-        subprocess.run([str(RATARMOUNT_VENV / "bin" / "pip"), "install", "-q", "ratarmount"], check=True)
-    except subprocess.CalledProcessError as exc:
-        print(f"ratarmount unavailable ({exc}); skipping it")
-        return False
-    return exe.exists()
 
 
 # -- readers -------------------------------------------------------------------------
@@ -349,7 +337,7 @@ def main() -> int:
     extract(stored, work / f"stored110k-{n_stored}.d")
     print(f"datasets ready in {time.perf_counter() - t:.0f}s", flush=True)
     if args.ratarmount:
-        args.ratarmount = ensure_ratarmount()
+        args.ratarmount = ensure_ratarmount(RATARMOUNT_VENV) is not None
 
     results: dict = {"machine": {"cpus": os.cpu_count()}, "datasets": []}
     print(f"\nmount time, {n_small:,} entries (cdmlfs, 5 mounts):", flush=True)
