@@ -16,11 +16,42 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["Archive", "__version__", "open"]
+from cdmlfs.errors import (
+    ArchiveFormatError,
+    CdmlfsError,
+    CorruptMemberError,
+    EncryptedMemberError,
+    MemberError,
+    NotFoundError,
+    SourceChangedError,
+    SourceError,
+    UnsupportedMethodError,
+    UsageError,
+)
+
+# Every error the API raises is a CdmlfsError; its ``errno`` says what a read through a mount gets.
+__all__ = [
+    "Archive",
+    "ArchiveFormatError",
+    "CdmlfsError",
+    "CorruptMemberError",
+    "EncryptedMemberError",
+    "MemberError",
+    "NotFoundError",
+    "SourceChangedError",
+    "SourceError",
+    "UnsupportedMethodError",
+    "UsageError",
+    "__version__",
+    "open",
+]
 
 
 def open(location: str, **kwargs):
-    """Open an archive (path or URI) for reading through the Python API."""
+    """Open an archive (path or URI) for reading through the Python API.
+
+    ``cache_size`` (bytes, or a string like ``"2G"``; default 512M) bounds the decoded data held.
+    """
     from cdmlfs.archive import Archive
 
     return Archive(location, **kwargs)

@@ -7,10 +7,13 @@ it wires source -> format -> index -> extent reader + cache.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
+import logging
 import operator
 import os
 import posixpath
+import threading
 from collections.abc import Callable, Iterator
 
 from cdmlfs.cache import ExtentCache
@@ -18,6 +21,7 @@ from cdmlfs.errors import (
     ArchiveFormatError,
     IsADirectoryError_,
     LinkLoopError,
+    MemberError,
     NotADirectoryError_,
     NotFoundError,
     SourceChangedError,
@@ -26,14 +30,57 @@ from cdmlfs.formats import open_format
 from cdmlfs.index import DIR, FILE, SYMLINK, EntryStat, Index
 from cdmlfs.reader import ExtentReader
 from cdmlfs.safe_write import check_inside, write_atomically
+from cdmlfs.sizes import parse_size
 from cdmlfs.sources import open_source
 from cdmlfs.sources.base import Source
 from cdmlfs.sources.s3 import S3_OPTIONS
 
 DEFAULT_CACHE_SIZE = 512 << 20
+MIN_CACHE_SIZE = 1 << 20
 OPTIONS = S3_OPTIONS | {"index_dir"}  # what Archive(**options) passes to sources and formats
 MAX_SYMLINK_HOPS = 40
 _MISSING = (NotFoundError, LinkLoopError)  # what os.path.exists / isdir / isfile answer False for
+
+
+class _WarningsOfThisThread(logging.Handler):
+    """Keeps the warnings cdmlfs logs while this thread opens an archive (``Archive.open_warnings``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.thread = threading.get_ident()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread == self.thread:
+            with contextlib.suppress(Exception):  # a bad format string must not fail the open
+                self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _keeping_warnings() -> Iterator[list[str]]:
+    handler = _WarningsOfThisThread()
+    logger = logging.getLogger("cdmlfs")
+    logger.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def _cache_bytes(size: int | str) -> int:
+    """``cache_size`` as bytes: an int, or a string as the CLI takes it ("512M", "2G")."""
+    if isinstance(size, str):
+        size = parse_size(size)
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise TypeError(f"cache_size must be a number of bytes or a string like '512M', not {size!r}")
+    if size < MIN_CACHE_SIZE:
+        raise ValueError(f"cache_size must be at least 1M (a read needs room for its data), not {size}")
+    return size
+
+
+def _stops_extraction(exc: Exception) -> bool:
+    """Failures that every later entry would meet too: going on would only repeat them."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
 
 
 def _member_path(path) -> str:
@@ -57,10 +104,11 @@ class Archive:
     def __init__(
         self,
         location: str | os.PathLike | Source,
-        cache_size: int = DEFAULT_CACHE_SIZE,
+        cache_size: int | str = DEFAULT_CACHE_SIZE,
         progress: Callable[[int, int], None] | None = None,
         **options,
     ) -> None:
+        cache_size = _cache_bytes(cache_size)
         unknown = set(options) - OPTIONS
         if unknown:  # a misspelt option (endpoint= for endpoint_url=) must not be dropped silently
             known = ", ".join(sorted(OPTIONS))
@@ -81,7 +129,10 @@ class Archive:
             open_source(location, cache=self.cache, **options) if isinstance(location, str) else location
         )
         try:
-            self.format = open_format(self.source, progress=progress, **options)
+            # What opening found worth a warning (a truncated tar, a damaged seek table...): a
+            # daemon repeats it in its log, where a user looks later (the terminal may be gone).
+            with _keeping_warnings() as self.open_warnings:
+                self.format = open_format(self.source, progress=progress, **options)
         except ArchiveFormatError as exc:
             self.source.close()
             # Name the archive: a job that mounts several (or a container log) must say which failed.
@@ -318,8 +369,20 @@ class Archive:
             return raw
         return io.BufferedReader(raw, buffer_size=buffering if buffering > 0 else 1 << 20)
 
-    def extract(self, path: str, dest_dir: str, chunk: int = 4 << 20) -> str:
-        """Copy one entry (file, symlink or a whole directory) under ``dest_dir``; returns the output path."""
+    def extract(
+        self,
+        path: str,
+        dest_dir: str,
+        chunk: int = 4 << 20,
+        on_error: Callable[[str, Exception], None] | None = None,
+    ) -> str:
+        """Copy one entry (file, symlink or a whole directory) under ``dest_dir``; returns the output path.
+
+        ``on_error(member_path, exc)``: in a directory, an entry that cannot be extracted (a
+        corrupt member, a name taken by a directory at the destination) is reported to it and the
+        rest is extracted, as ``tar -x`` goes on; without it the first failure raises. A full disk
+        and a source that fails (the archive changed, the network is gone) always raise.
+        """
         eid = self._resolve(path, follow=False)
         index = self.index
         root = os.path.realpath(dest_dir)
@@ -330,7 +393,13 @@ class Archive:
             folders = [eid]
             written: dict[int, str] = {}  # data entry -> the file written for it, for hard links
             for c in index.walk(eid):
-                self._extract_one(c, os.path.join(dest_dir, index.paths[c]), chunk, root, written)
+                try:
+                    self._extract_one(c, os.path.join(dest_dir, index.paths[c]), chunk, root, written)
+                except (MemberError, OSError) as exc:
+                    if on_error is None or _stops_extraction(exc):
+                        raise
+                    on_error(index.paths[c], exc)
+                    continue
                 if index.kind[c] == DIR and c != eid:
                     folders.append(c)
             # Directory modes and mtimes last, deepest first, as tar -x does: writing into a folder

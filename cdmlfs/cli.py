@@ -18,22 +18,18 @@ import sys
 import time
 from collections.abc import Callable
 
-from cdmlfs import __version__, fuseloop
+from cdmlfs import __version__, fuseloop, sizes
 from cdmlfs.errors import CdmlfsError, LinkLoopError, NotFoundError, UsageError
 
 log = logging.getLogger("cdmlfs")
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
-
 
 def parse_size(text: str) -> int:
-    """'512M', '2G', '1.5GiB', '4096' -> bytes (binary units: 1K = 1024)."""
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r} (examples: 512M, 2G, 64MiB)")
-    number, unit = float(m.group(1)), m.group(2).lower()
-    power = " kmgtp".index(unit) if unit else 0
-    return int(number * (1024**power))
+    """'512M', '2G', '1.5GiB', '4096' -> bytes (binary units: 1K = 1024), as an argparse type."""
+    try:
+        return sizes.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _number_in(cast: Callable[[str], float], low: float, high: float, what: str) -> Callable[[str], float]:
@@ -53,6 +49,16 @@ def _number_in(cast: Callable[[str], float], low: float, high: float, what: str)
 
 _seconds = _number_in(float, 1, 86400, "time in seconds")
 _poll_us = _number_in(int, 0, 1_000_000, "poll time in microseconds")
+_threads = _number_in(int, 1, 1024, "thread count")
+MAX_READAHEAD = 256 << 20
+
+
+def _readahead(text: str) -> int:
+    """0 (keep the kernel's default) or 4K to 256M: beyond that, readahead only evicts useful pages."""
+    value = parse_size(text)
+    if value and not 4096 <= value <= MAX_READAHEAD:
+        raise argparse.ArgumentTypeError(f"invalid readahead {text!r} (0 to keep the default, or 4K to 256M)")
+    return value
 
 
 def parse_fuse_options(values: list[str]) -> dict[str, str | bool]:
@@ -162,6 +168,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     from cdmlfs.daemon import (
         ServeOptions,
         check_log_file,
+        check_pid_file,
         claim_mountpoint,
         log_path_for,
         mount_daemon,
@@ -186,6 +193,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     log_file = args.log_file or log_path_for(mountpoint)
     if not args.foreground:
         check_log_file(log_file, default=not args.log_file)
+    if args.pid_file:
+        check_pid_file(args.pid_file)
     if not os.path.exists("/dev/fuse"):
         raise CdmlfsError(
             "/dev/fuse is missing: load the fuse module or run the container with --device /dev/fuse"
@@ -211,7 +220,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
 def cmd_umount(args: argparse.Namespace) -> int:
     from cdmlfs.mountpoints import unmount
 
-    unmount(args.mountpoint)
+    unmount(args.mountpoint, lazy=args.lazy)
     return 0
 
 
@@ -275,16 +284,31 @@ def cmd_extract(args: argparse.Namespace) -> int:
     if os.path.exists(args.directory) and not os.path.isdir(args.directory):
         raise UsageError(f"{args.directory}: not a directory (the -C destination)")
     archive = _open_archive(args, cache_size=64 << 20)
+    failed: list[str] = []
+
+    def report(member: str, exc: Exception) -> None:  # then on to the next entry, as tar -x goes on
+        failed.append(member)
+        if isinstance(exc, OSError):
+            name = exc.filename2 or exc.filename  # os.replace(partial, final): the final name
+            why = f"{exc.strerror or exc}{': ' + str(name) if name else ''}"
+        else:
+            why = getattr(exc, "reason", None) or str(exc)
+        print(f"cdmlfs: {member}: {why}", file=sys.stderr)
+
     with archive:
         os.makedirs(args.directory, exist_ok=True)
         for path in args.paths:
             try:
-                out = archive.extract(path, args.directory)
+                out = archive.extract(path, args.directory, on_error=report)
             except OSError as exc:
                 _name_failed_write(exc, args.directory)
                 raise
             if args.verbose:
                 print(out)
+    if failed:
+        entries = "entry" if len(failed) == 1 else "entries"
+        print(f"cdmlfs: {len(failed)} {entries} not extracted", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -530,10 +554,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--readahead",
-        type=parse_size,
+        type=_readahead,
         default=4 << 20,
         metavar="SIZE",
-        help="kernel readahead for this mount when running as root (default 4M; FUSE's is 128K)",
+        help="kernel readahead for this mount when running as root (default 4M, at most 256M; "
+        "0 keeps FUSE's own, 128K)",
     )
     p.add_argument(
         "--poll-us",
@@ -551,6 +576,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("umount", parents=[common], help="unmount (also clears a dead mount)")
     p.add_argument("mountpoint", help="where the archive is mounted")
+    p.add_argument(
+        "-z",
+        "--lazy",
+        action="store_true",
+        help="a mount still in use: detach it now; its daemon exits when the last open file is closed",
+    )
     p.set_defaults(func=cmd_umount)
 
     p = sub.add_parser("ls", parents=[common, indexed], help="list archive contents without mounting")
@@ -595,7 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="decoded bytes per zstd frame: a random read decodes at most one (default 4M)",
     )
-    p.add_argument("--threads", type=int, help="compression threads (default: all cores)")
+    p.add_argument("--threads", type=_threads, help="compression threads, 1 to 1024 (default: all cores)")
     p.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")
     p.add_argument("-q", "--quiet", action="store_true", help="no summary line")
     add_s3_options(p)

@@ -117,6 +117,9 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
             human_bytes(archive.cache.limit),
             "multithreaded" if multithreaded else "single-threaded",
         )
+        if ready_fd is not None:  # the mount command printed them; its terminal may be gone
+            for warning in archive.open_warnings:
+                log.warning("when opened: %s", warning)
         if ready_fd is None and not log.isEnabledFor(logging.INFO):  # foreground: say it once
             print(
                 f"cdmlfs: mounted {archive.location} on {opts.mountpoint}; "
@@ -302,6 +305,17 @@ def check_log_file(log_file: str, default: bool) -> None:
             pass
     except OSError as exc:
         raise UsageError(f"{what}: cannot write it ({exc.strerror})") from None
+
+
+def check_pid_file(pid_file: str) -> None:
+    """Fail before mounting (one line) when the pid file could not be written once the mount is up."""
+    parent = os.path.dirname(os.path.abspath(pid_file))
+    if os.path.isdir(pid_file):
+        raise UsageError(f"--pid-file {pid_file}: is a directory")
+    if not os.path.isdir(parent):
+        raise UsageError(f"--pid-file {pid_file}: no such directory {parent}")
+    if not os.access(pid_file if os.path.exists(pid_file) else parent, os.W_OK):
+        raise UsageError(f"--pid-file {pid_file}: cannot write it (permission denied)")
 
 
 def mount_daemon(archive: Archive, opts: ServeOptions, log_file: str, verbose: bool) -> int:

@@ -30,6 +30,7 @@ import zlib
 
 import zstandard
 
+from cdmlfs.errors import UsageError
 from cdmlfs.sources.base import SourceIdentity
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ class IndexStore:
 
     def __init__(self, directory: str | os.PathLike | None = None) -> None:
         self.directory = os.fspath(directory) if directory else default_index_dir()
+        if directory and os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            # Asked for by name (--index-dir): a mistake worth one clear line, not a warning per use.
+            raise UsageError(f"index directory {self.directory}: not a directory")
 
     def path_for(self, identity: SourceIdentity) -> str:
         """One file per archive location: the base name (for humans) plus 64 bits of a location hash.

@@ -93,8 +93,13 @@ def check_mountpoint(path: str, allow_nonempty: bool = False) -> str:
     return real
 
 
-def unmount(path: str, timeout: float = 10.0) -> None:
+def unmount(path: str, timeout: float = 10.0, lazy: bool = True) -> None:
     """Unmount a cdmlfs (or any FUSE) mount, live or dead; lazy unmount as the last resort.
+
+    ``lazy=False`` (``cdmlfs umount`` without ``--lazy``): a live mount that is
+    busy (a process has a file open or its working directory inside) is not
+    detached behind its users' backs: the call fails and says so. A dead mount
+    is always detached, lazily if it must: nothing can be read from it anyway.
 
     Anything else mounted there (a tmpfs, a disk, a bind mount) is refused: as
     root, ``umount`` would take it down too.
@@ -123,11 +128,13 @@ def unmount(path: str, timeout: float = 10.0) -> None:
     if os.geteuid() == 0 and shutil.which("umount"):
         attempts.append(["umount", target])
     # Busy (a process has a file open or its cwd inside): detach now, free when the last user leaves.
-    lazy = [[tool, "-uz", target] for tool in ("fusermount3", "fusermount") if shutil.which(tool)]
+    detach = [[tool, "-uz", target] for tool in ("fusermount3", "fusermount") if shutil.which(tool)]
     if os.geteuid() == 0 and shutil.which("umount"):
-        lazy.append(["umount", "-l", target])
+        detach.append(["umount", "-l", target])
+    if not lazy and not _is_dead(target):
+        detach = []
     errors = []
-    for cmd in attempts + lazy:
+    for cmd in attempts + detach:
         if _gone(target, mount_id):  # an earlier attempt did it after all, late
             return
         res = subprocess.run(cmd, capture_output=True, text=True)
@@ -135,6 +142,12 @@ def unmount(path: str, timeout: float = 10.0) -> None:
             return
         errors.append((res.stderr or res.stdout).strip())
     detail = next((e for e in errors if e), "unknown error")
+    if not detach and "busy" in detail.lower():
+        raise UsageError(
+            f"{path}: busy (a process has a file open or its working directory in it; 'fuser -vm {path}' "
+            f"lists them): close them, or 'cdmlfs umount --lazy {path}' detaches it now and its daemon "
+            "exits when the last one is done"
+        )
     raise UsageError(f"{path}: could not unmount: {detail}")
 
 

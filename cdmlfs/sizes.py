@@ -1,6 +1,20 @@
-"""Byte counts as people read them, for log lines and messages (one wording everywhere)."""
+"""Byte counts as people read and write them: messages (one wording everywhere) and options."""
 
 from __future__ import annotations
+
+import re
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'512M', '2G', '1.5GiB', '4096' -> bytes (binary units: 1K = 1024); ValueError otherwise."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"invalid size {text!r} (examples: 512M, 2G, 64MiB)")
+    number, unit = float(m.group(1)), m.group(2).lower()
+    power = " kmgtp".index(unit) if unit else 0
+    return int(number * (1024**power))
 
 
 def human_bytes(n: float) -> str:

@@ -165,6 +165,27 @@ def test_cli_ls_cat_extract(archive: Path, tmp_path: Path) -> None:
     assert b"cdmlfs" in res.stdout and b"inflate" in res.stdout
 
 
+def test_cli_extract_of_a_folder_goes_on_past_a_bad_entry(tmp_path: Path) -> None:
+    """As tar -x: a corrupt member, or a name taken at the destination, is reported on its own line
+    and the rest of the folder is extracted; the exit status says something failed."""
+    files = {f"train/{c}/{i}.txt": text_bytes(3000 + i, i) for c in ("cat", "dog") for i in range(3)}
+    z = python_zip(tmp_path / "c.zip", files, zipfile.ZIP_DEFLATED)
+    flip_byte_in_member(z, "train/cat/1.txt")
+    out = tmp_path / "out"
+    (out / "train/dog/2.txt").mkdir(parents=True)  # a directory where a file goes
+    res = run_cli("extract", str(z), "train", "-C", str(out))
+    err = res.stderr.decode()
+    assert res.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 3 and "Traceback" not in err, err
+    assert lines[0].startswith("cdmlfs: train/cat/1.txt: ") and "train/dog/2.txt" in lines[1], err
+    assert "2 entries not extracted" in lines[2]
+    for name, data in files.items():
+        if name not in ("train/cat/1.txt", "train/dog/2.txt"):
+            assert (out / name).read_bytes() == data, name
+    assert not (out / "train/cat/1.txt").exists()  # never a partial or wrong file
+
+
 def test_random_ranges_of_large_members_all_methods(tmp_path: Path) -> None:
     rng = random.Random(3)
     blob = text_bytes(3_000_000, 4) + rng.randbytes(500_000)
@@ -187,6 +208,17 @@ def test_index_memory_is_compact(tmp_path: Path) -> None:
     with cdmlfs.open(str(z)) as ar:
         per_entry = ar.index.nbytes() / 20_000
     assert per_entry < 300, per_entry  # 200k entries in well under 80 MiB
+
+
+def test_cache_size_takes_the_cli_forms_and_refuses_what_cannot_work(archive: Path) -> None:
+    with cdmlfs.open(str(archive), cache_size="64M") as ar:
+        assert ar.cache.limit == 64 << 20 and ar.read("readme.txt") == sample_files()["readme.txt"]
+    for bad, error in ((0, ValueError), (1000, ValueError), ("lots", ValueError), (2.5e9, TypeError)):
+        with pytest.raises(error, match=r"cache_size|size"):  # at open, not at the first read
+            cdmlfs.open(str(archive), cache_size=bad)
+    with pytest.raises(cdmlfs.CdmlfsError) as e, cdmlfs.open(str(archive)) as ar:  # the API's errors
+        ar.read("no/such/member")
+    assert isinstance(e.value, cdmlfs.NotFoundError) and e.value.errno == 2
 
 
 def test_open_missing_file_is_usage_error(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from archives import text_bytes
 from test_tar_support import cdmlfs_pack, gnu_tar
 
 from cdmlfs.archive import Archive
-from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, SourceError
+from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, SourceError, UsageError
 from cdmlfs.formats import SNIFF_BYTES, TAIL_BYTES
 from cdmlfs.formats.tar import scan_tar
 from cdmlfs.formats.tarheader import build_header, parse_header, parse_pax, pax_record
@@ -306,6 +306,27 @@ def test_embedded_index_equals_a_fresh_scan(tmp_path: Path) -> None:
     assert list(embedded.crcs) == expected
     embedded.crcs = None
     assert embedded.encode() == scanned.encode()
+
+
+def test_frames_too_big_for_a_small_cache_ask_for_a_bigger_cache_not_a_repack(
+    tmp_path: Path, many_files: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Packing again would write the same 4 MiB frames: the advice that helps is a larger cache."""
+    from cdmlfs.pack import pack
+
+    packed = tmp_path / "p.tar.zst"
+    pack(str(many_files), str(packed), frame_size=1 << 20)
+    for cache, said in ((1 << 20, "a cache of 4 MiB or more reads them whole"), (64 << 20, None)):
+        caplog.clear()
+        with (
+            caplog.at_level(logging.WARNING),
+            Archive(str(packed), cache_size=cache, index_dir=str(tmp_path)) as ar,
+        ):
+            assert ar.read("d3/f003.bin") == (many_files / "d3/f003.bin").read_bytes()
+        if said is None:
+            assert caplog.text == ""
+        else:
+            assert said in caplog.text and "cdmlfs pack" not in caplog.text, caplog.text
 
 
 def test_single_frame_warns_once_and_archive_order_is_one_pass(
@@ -654,6 +675,53 @@ def test_truncated_tar_lists_what_came_before(tmp_path: Path, caplog: pytest.Log
         assert ar.files() == ["whole.txt", "cut.bin"]  # archive order, as tar lists them
         with pytest.raises(CorruptMemberError):
             ar.read("cut.bin")
+
+
+@pytest.mark.parametrize(
+    ("keep", "said"),
+    [
+        (lambda data, at: data[: at("two.txt") + 100], "ends inside a header at offset"),
+        (lambda data, at: data[: at("two.txt")], "ends without its end-of-archive blocks"),
+        (lambda data, at: data[: at("two.txt") - 200], "ends without its end-of-archive blocks"),
+    ],
+    ids=["inside a header", "between members", "inside padding"],
+)
+def test_a_tar_cut_between_members_is_served_but_never_silently(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, keep, said: str
+) -> None:
+    """Members before the cut are served (as GNU tar lists them), and every open says the tar is cut,
+    also one from the saved index: a remount must not turn a truncated copy into a quiet one."""
+
+    def build(tf: tarfile.TarFile) -> None:
+        _add(tf, "one.txt", b"1" * 700)
+        _add(tf, "two.txt", b"2" * 10)
+
+    data = _tarfile_archive(tmp_path / "t.tar", tarfile.USTAR_FORMAT, build).read_bytes()
+
+    def header_of(name: str) -> int:
+        return data.index(name.encode() + b"\0")
+
+    (tmp_path / "cut.tar").write_bytes(keep(data, header_of))
+    for index_source in ("scan", "cache"):
+        caplog.clear()
+        with (
+            caplog.at_level(logging.WARNING),
+            Archive(str(tmp_path / "cut.tar"), index_dir=str(tmp_path / "i")) as ar,
+        ):
+            assert ar.format.index_source == index_source
+            assert ar.files() == ["one.txt"] and ar.read("one.txt") == b"1" * 700
+            assert any(said in m for m in ar.open_warnings), ar.open_warnings
+        assert said in caplog.text and "cut.tar" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), Archive(str(tmp_path / "t.tar"), index_dir=str(tmp_path)) as a:
+        assert a.open_warnings == [] and caplog.text == ""  # a whole tar: nothing to say
+
+
+def test_an_index_dir_that_is_a_file_is_one_clear_error(tmp_path: Path) -> None:
+    archive = _tarfile_archive(tmp_path / "t.tar", tarfile.USTAR_FORMAT, lambda tf: _add(tf, "a", b"a"))
+    (tmp_path / "afile").write_bytes(b"")
+    with pytest.raises(UsageError, match="afile: not a directory"):
+        Archive(str(archive), index_dir=str(tmp_path / "afile"))
 
 
 def test_header_codec_round_trip_and_base256() -> None:

@@ -329,3 +329,23 @@ def test_a_walk_in_listing_order_is_one_pass_over_a_single_frame(tmp_path: Path,
         # The daemon decodes the next piece ahead of a reader in archive order (one reader:
         # 91-178 -> 215-293 MB/s in the module's notes), and that restarts nothing.
         assert decoder["prefetched"] > 0, decoder
+
+
+def test_a_truncated_tar_mounts_and_its_daemon_log_says_so(tmp_path: Path, mnt: Path) -> None:
+    """The mount command warns on its terminal; the daemon repeats it in its log, where a user
+    looks when files seem to be missing later (the terminal may be gone by then)."""
+    whole = tmp_path / "whole.tar"
+    with tarfile.open(whole, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for name, data in (("kept.txt", b"k" * 600), ("lost.txt", b"lost")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(data[: data.index(b"lost.txt\0")])  # cut at the second header
+    log_file = tmp_path / "daemon.log"
+    with mounted(cut, mnt, "--index-dir", str(tmp_path / "idx"), log_file=log_file) as m:
+        assert sorted(os.listdir(m)) == ["kept.txt"]
+        assert (m / "kept.txt").read_bytes() == b"k" * 600
+    log = log_file.read_text()
+    assert "when opened:" in log and "cut.tar" in log and "end-of-archive blocks" in log, log

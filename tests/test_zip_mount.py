@@ -273,6 +273,10 @@ def test_cli_errors_are_one_line_and_leave_no_mount(tmp_path: Path, mnt: Path) -
         ("umount", str(mnt)),
         ("mount", str(good), str(mnt), "--log-file", str(tmp_path)),  # a directory: checked before forking
         ("mount", str(good), str(mnt), "--log-file", str(tmp_path / "no" / "such" / "dir.log")),
+        ("mount", str(good), str(mnt), "--pid-file", str(tmp_path / "no" / "such" / "x.pid")),
+        ("mount", "-f", str(good), str(mnt), "--pid-file", str(tmp_path)),
+        ("mount", str(good), str(mnt), "--readahead", "3G"),  # would evict what it read ahead
+        ("pack", str(good), str(tmp_path / "out.tar.zst"), "--threads", "0"),
     ]
     for args in cases:
         res = run_cli(*args, timeout=60)
@@ -282,6 +286,8 @@ def test_cli_errors_are_one_line_and_leave_no_mount(tmp_path: Path, mnt: Path) -
         ours = [ln for ln in err.splitlines() if not ln.startswith("fuse:")]
         assert len(ours) == 1 and "Traceback" not in err, (args, err)
     assert not is_mounted(mnt) and not is_mounted(nonempty)
+    res = run_cli("mount", str(good), str(mnt), "--pid-file", str(tmp_path / "no" / "x.pid"))
+    assert res.returncode == 2 and "--pid-file" in res.stderr.decode()  # said before any mount, as usage
     res = run_cli("mount", str(good), str(mnt), "-o", "uid=abc")
     assert res.returncode != 0 and "uid=abc" in res.stderr.decode()  # libfuse's reason, not ours
     assert not is_mounted(mnt)
@@ -308,8 +314,9 @@ def test_two_mounts_racing_for_one_directory_make_one_mount(tmp_path: Path, mnt:
 
 
 def test_remount_after_a_lazy_unmount_is_not_blocked(tmp_path: Path, mnt: Path) -> None:
-    """A daemon detached by a lazy unmount lives on while a file stays open; the directory is free
-    again (the mount point lock only covers setting a mount up)."""
+    """A busy mount is not detached behind its users' backs unless asked (--lazy). A daemon detached
+    that way lives on while a file stays open; the directory is free again (the mount point lock
+    only covers setting a mount up)."""
     good = python_zip(tmp_path / "good.zip", sample_files())
     pid_file = tmp_path / "first.pid"
     run_cli("mount", str(good), str(mnt), "--pid-file", str(pid_file), check=True)
@@ -317,6 +324,10 @@ def test_remount_after_a_lazy_unmount_is_not_blocked(tmp_path: Path, mnt: Path) 
     holder = open(mnt / next(iter(sample_files())), "rb")  # noqa: SIM115 - kept open on purpose
     try:
         res = run_cli("umount", str(mnt), timeout=30)
+        err = res.stderr.decode()
+        assert res.returncode != 0 and "busy" in err and "--lazy" in err and err.count("\n") == 1, err
+        assert is_mounted(mnt) and holder.read(1)  # still mounted, still serving
+        res = run_cli("umount", "--lazy", str(mnt), timeout=30)
         assert res.returncode == 0 and not is_mounted(mnt), res.stderr
         assert alive(first)  # detached, still serving the open file
         started = time.monotonic()

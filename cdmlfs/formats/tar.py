@@ -143,11 +143,15 @@ def scan_tar(view, members: MemberTable) -> int:
     for kind, name, mode, mtime, size, offset, link, sparse in records:
         append(kind, name, mode, mtime, size, offset, link, sparse=sparse)
     if records.cut is not None:
-        log.warning("tar stream is truncated at offset %d: listing what came before", records.cut)
-    if records.lone_zero is not None:
-        log.warning(
-            "a lone zero block at offset %d ends the listing, as it does for tar -x", records.lone_zero
+        members.ending = f"ends inside a header at offset {records.cut} (a truncated copy?)"
+    elif records.lone_zero is not None:
+        members.ending = (
+            f"has a lone zero block at offset {records.lone_zero}, which ends it as it does for tar -x"
         )
+    elif not records.marked:
+        # Every tar writer ends with zero blocks: without them the copy was most likely cut between
+        # members. Served like GNU tar serves it, but never silently.
+        members.ending = "ends without its end-of-archive blocks (a truncated copy?)"
     return records.end
 
 
@@ -395,8 +399,8 @@ def _sparse_map_in_data(read, data_off: int, stored: int) -> tuple[list[int], in
     return numbers, at - data_off
 
 
-def _warn_if_cut(members: MemberTable, where: str) -> None:
-    """Say at mount time that the archive ends inside member data (a truncated copy, usually).
+def warn_about_end(members: MemberTable, where: str) -> None:
+    """Say at every open, from a scan or from a saved index, that the tar did not end as it should.
 
     The members before the cut stay readable, as with ``tar -x``; the cut ones read as EIO.
     """
@@ -410,6 +414,8 @@ def _warn_if_cut(members: MemberTable, where: str) -> None:
             "%s ends inside the data of %d member(s) (a truncated copy?), %r first: they read as EIO",
             where, len(cut), cut[0],
         )  # fmt: skip
+    elif members.ending:
+        log.warning("%s: the tar stream %s: listing what came before", where, members.ending)
 
 
 def _pax_numbers(attrs: dict[str, bytes], size: int, mtime: float, pos: int) -> tuple[int, float]:
@@ -460,6 +466,7 @@ class TarFormat:
                 members = MemberTable.decode(payload)
                 if members.data_end() <= self.source.size:
                     self.index_source = "cache"
+                    warn_about_end(members, self.source.identity.location)
                     return members
             except MemberTableError as exc:
                 log.info("ignoring cached index: %s", exc)
@@ -469,7 +476,7 @@ class TarFormat:
         end = scan_tar(view, members)
         view.finish(end)
         members.stream_size = self.source.size
-        _warn_if_cut(members, self.source.identity.location)
+        warn_about_end(members, self.source.identity.location)
         self.index_source = "scan"
         log.debug("scanned %d tar members in %.2fs", len(members), time.monotonic() - started)
         self.store.save(self.source.identity, STORE_KIND_TAR, members.encode())
@@ -511,7 +518,7 @@ class TarFormat:
             raise ArchiveFormatError("zstd data that is not a tar archive")
         table = view.frame_table()
         members.stream_size = table.total
-        _warn_if_cut(members, self.source.identity.location)
+        warn_about_end(members, self.source.identity.location)
         self.index_source = "scan"
         log.debug(
             "scanned %d members in %.2fs (%d of %d frames decoded)",
@@ -563,6 +570,7 @@ class TarFormat:
         except (ValueError, struct.error, ArchiveFormatError) as exc:
             log.info("ignoring cached index: %s; rescanning", exc)
             return None
+        warn_about_end(members, self.source.identity.location)
         return members, frames
 
     def _save_zstd(self, members: MemberTable, frames: FrameTable) -> None:

@@ -44,7 +44,10 @@ class MemberTableError(ValueError):
 class MemberTable:
     """Members in archive order: kind, mode, mtime, size, data offset in the stream, name, link."""
 
-    __slots__ = ("crcs", "kind", "links", "mode", "mtime", "names", "offset", "size", "sparse", "stream_size")
+    __slots__ = (
+        "crcs", "ending", "kind", "links", "mode", "mtime", "names", "offset", "size", "sparse",
+        "stream_size",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.kind = bytearray()
@@ -59,6 +62,9 @@ class MemberTable:
         # sparse member -> flat (logical offset, length) pairs of its data segments; ``size`` is then
         # the file's real size and its data in the stream is the segments' bytes, back to back
         self.sparse: dict[int, array] = {}
+        # How the tar ended when it did not end as tar writers end it ("" when it did): kept with
+        # the index so that a remount from it says so again (cdmlfs.formats.tar.warn_about_end).
+        self.ending = ""
 
     def __len__(self) -> int:
         return len(self.names)
@@ -167,6 +173,8 @@ class MemberTable:
             header["sparse"] = len(sparse_ids)
             header["sparse_values"] = len(values)
             cols += [sparse_ids, counts, values]
+        if self.ending:  # an optional key: readers that do not know it ignore it
+            header["ending"] = self.ending
         parts = [json.dumps(header, separators=(",", ":")).encode() + b"\n"]
         parts += [_le_bytes(col) for col in cols]
         parts += [bytes(self.kind), names, link_text]
@@ -196,10 +204,14 @@ class MemberTable:
             n_values = int(header.get("sparse_values", 0))
             if n_sparse < 0 or n_values < 0 or (n_sparse and header["v"] < SPARSE_ENCODING_VERSION):
                 raise ValueError("sparse counts")
+            ending = header.get("ending", "")
+            if not isinstance(ending, str):
+                raise ValueError("ending")
         except (ValueError, KeyError, TypeError, OverflowError) as exc:  # JSON allows Infinity
             raise MemberTableError(f"bad member table header ({exc})") from None
         table = cls()
         table.stream_size = stream_size
+        table.ending = ending
         pos = nl + 1
         cols = []
         layout = [("H", n), ("d", n), ("Q", n), ("Q", n), ("I", n_links)] + [("I", n)] * has_crc

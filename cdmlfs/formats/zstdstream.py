@@ -58,6 +58,7 @@ import zstandard
 from cdmlfs.cache import ExtentCache, Reservation
 from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, SourceError
 from cdmlfs.formats import zstdframes
+from cdmlfs.sizes import human_bytes
 from cdmlfs.sources.base import Source, SourceRange
 from cdmlfs.zstd_seekable import Frame, FrameWalker, is_skippable_magic, parse_frame_header
 
@@ -68,6 +69,7 @@ DEFAULT_WHOLE_MAX = 16 << 20
 DEFAULT_PIECE = 4 << 20
 MAX_CURSORS = 4  # forward decoders kept alive (each holds a window of up to 128 MiB... usually 2-8 MiB)
 SCAN_CHUNK = 1 << 20
+PACK_FRAME_MAX = 8 << 20  # frames up to this size are what cdmlfs pack writes: repacking would not help
 PREFETCH_ENV = os.environ.get("CDMLFS_PREFETCH", "")  # "0": never decode ahead, "1": always (A/B runs)
 MAX_STREAM = 1 << 62
 SCRATCH_MAX = 8 << 20  # frames compressed to more than this are read into fresh buffers
@@ -321,7 +323,15 @@ class ZstdStream:
             self._spare_size = largest
             self._frames = self._new_frame_worker()
         big = [s for s in self.frames.dec_size if s > self.whole_max]
-        if big:
+        if big and cache is not None and len(self.frames) > 1 and max(big) <= PACK_FRAME_MAX:
+            # Already cut in frames of the size cdmlfs pack writes: converting would change nothing;
+            # a cache that holds a few of them would (a decode may take up to a quarter of it).
+            log.warning(
+                "%s: zstd frames of up to %d MiB do not fit this cache (%s): random reads will decode "
+                "from the start of their frame; a cache of %d MiB or more reads them whole",
+                self.label, -(-max(big) >> 20), human_bytes(cache.limit), 4 * -(-max(big) >> 20),
+            )  # fmt: skip
+        elif big:
             log.warning(
                 "%s: %s of up to %d MiB: reading members in archive order is one pass, but a random "
                 "read decodes from the start of its frame. For fast random access convert it once: "
