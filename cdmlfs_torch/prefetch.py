@@ -203,58 +203,92 @@ class _PassThroughIterator:
         return out
 
 
+class _Ahead:
+    """Items started ``depth`` ahead of the consumer, handed out in order.
+
+    An error, from the wrapped loader or from starting an item, takes that
+    item's place in the order: it is raised when the consumer reaches it, after
+    the items before it, and the pass goes on behind it, as a ``DataLoader``
+    does (a training loop that skips a bad batch must not lose the rest of the
+    epoch, nor a good batch that was already started).
+    """
+
+    def __init__(self, source: Iterator[Any], depth: int, start: Callable[[Any], Any]) -> None:
+        self._source = source
+        self._depth = depth
+        self._start = start
+        self._queue: deque[tuple[bool, Any]] = deque()  # (started, item) or (False, error)
+        self._exhausted = False
+        self._filled = False
+
+    def _fill_one(self) -> None:
+        if self._exhausted:
+            return
+        try:
+            host = next(self._source)
+        except StopIteration:
+            self._exhausted = True
+            return
+        except Exception as exc:
+            self._queue.append((False, exc))
+            return
+        try:
+            self._queue.append((True, self._start(host)))
+        except Exception as exc:
+            self._queue.append((False, exc))
+
+    def next(self) -> Any:
+        """The next started item; StopIteration at the end; an item's error in its turn."""
+        if not self._filled:
+            self._filled = True
+            for _ in range(self._depth):
+                self._fill_one()
+        if not self._queue:
+            raise StopIteration
+        ok, item = self._queue.popleft()
+        self._fill_one()  # keep `depth` items in flight while this one is consumed
+        if not ok:
+            raise item
+        return item
+
+
 class _CudaPrefetchIterator:
     """Keeps ``prefetch`` batches copying on a side stream ahead of the consumer."""
 
     def __init__(self, owner: GPUPrefetchLoader, metrics: LoaderMetrics) -> None:
         self._owner = owner
         self._metrics = metrics
-        self._it = iter(owner.loader)
         self._stream = owner._side_stream()
-        # (device batch, ready event, host batch kept alive until the copy is consumed)
-        self._queue: deque[tuple[Any, torch.cuda.Event, Any]] = deque()
-        self._exhausted = False
-        self._error: BaseException | None = None
-        self._started = False
+        # Items: (device batch, ready event, host batch kept alive until the copy is consumed).
+        self._ahead = _Ahead(iter(owner.loader), owner.prefetch, self._issue)
+        self._done = False
 
     def __iter__(self) -> _CudaPrefetchIterator:
         return self
 
-    def _issue_one(self) -> None:
-        """Take the next host batch and queue its copy and normalisation on the side stream."""
-        if self._exhausted:
-            return
-        try:
-            host = next(self._it)
-        except StopIteration:
-            self._exhausted = True
-            return
-        except Exception as exc:  # raised once the batches before it have been handed out
-            self._exhausted = True
-            self._error = exc
-            return
+    def _issue(self, host: Any) -> tuple[Any, torch.cuda.Event, Any]:
+        """Queue the copy and normalisation of one host batch on the side stream."""
         owner = self._owner
         device = owner.device
         with torch.cuda.stream(self._stream):
+            # Work queued on the consumer's stream so far may produce this batch (tensors already
+            # on the GPU, decoded there): the side stream must not read them before it is done.
+            self._stream.wait_stream(torch.cuda.current_stream(device))
             dev = map_tensors(host, lambda t: owner._convert(t, device))
             ready = torch.cuda.Event()
             ready.record(self._stream)
-        self._queue.append((dev, ready, host))
+        return dev, ready, host
 
     def __next__(self) -> Any:
-        t0 = time.perf_counter()
-        if not self._started:
-            self._started = True
-            for _ in range(self._owner.prefetch):
-                self._issue_one()
-        if not self._queue:
-            if self._error is not None:
-                error, self._error = self._error, None
-                raise error
-            self._metrics.finish()
+        if self._done:
             raise StopIteration
-        dev, ready, _host = self._queue.popleft()
-        self._issue_one()  # keep `prefetch` copies in flight while this batch is consumed
+        t0 = time.perf_counter()
+        try:
+            dev, ready, _host = self._ahead.next()
+        except StopIteration:
+            self._done = True
+            self._metrics.finish()
+            raise
         consumer = torch.cuda.current_stream(self._owner.device)
         consumer.wait_event(ready)
 

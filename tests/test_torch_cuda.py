@@ -69,6 +69,27 @@ def test_consumer_stream_waits_for_the_copy_stream() -> None:
         assert (int(lo), int(hi)) == (i + 1, i + 1)
 
 
+def test_batches_made_on_the_gpu_are_read_after_the_kernels_that_make_them() -> None:
+    """A loader that decodes on the GPU queues each batch on the consumer stream behind slow work:
+    the side stream must wait for it before normalising (it read half-written batches)."""
+
+    def made_on_gpu():
+        for i in range(4):
+            torch.cuda._sleep(200_000_000)  # the consumer stream is busy for ~0.1 s first
+            yield torch.full((8, 3, 256, 256), i + 1, dtype=torch.uint8, device="cuda")
+
+    for i, x in enumerate(GPUPrefetchLoader(made_on_gpu())):
+        lo, hi = torch.aminmax(x)
+        assert abs(float(lo) - (i + 1) / 255) < 1e-6 and abs(float(hi) - (i + 1) / 255) < 1e-6, i
+
+
+def test_a_failed_batch_is_raised_in_its_turn_and_the_epoch_goes_on() -> None:
+    from test_torch_prefetch import BadAt, _skipping_bad_batches
+
+    loader = GPUPrefetchLoader(DataLoader(BadAt(12, 5), batch_size=2), is_image=lambda t: False)
+    assert _skipping_bad_batches(loader) == [[0, 1], [2, 3], "ERR", [6, 7], [8, 9], [10, 11]]
+
+
 def test_record_stream_keeps_batches_alive_while_the_consumer_uses_them() -> None:
     """Each batch is read only after a long kernel on the consumer stream, then dropped at once.
 

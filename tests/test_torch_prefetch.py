@@ -182,3 +182,64 @@ def test_errors_of_the_wrapped_loader_propagate() -> None:
         next(it)
     with pytest.raises(RuntimeError, match="bad sample 3"):
         next(it)
+
+
+class BadAt(Dataset):
+    """Sample ``bad`` raises: a DataLoader raises for its batch and goes on with the next."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.bad:
+            raise RuntimeError(f"bad sample {i}")
+        return torch.full((3, 2, 2), i, dtype=torch.uint8)
+
+
+def _skipping_bad_batches(iterable) -> list:
+    """What a training loop that skips a failed batch sees: first values, and ERR in place."""
+    out: list = []
+    it = iter(iterable)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return out
+        except (RuntimeError, ValueError):
+            out.append("ERR")
+        else:
+            out.append([int(v) for v in batch.flatten(1)[:, 0]])
+
+
+@pytest.mark.parametrize("depth", [1, 2, 5])
+def test_the_cuda_prefetch_order_keeps_a_failed_batch_in_its_place(depth: int) -> None:
+    """The queue the CUDA iterator keeps ahead (_Ahead), run on the CPU with a real DataLoader: a
+    failed batch is raised in its turn, after the batches before it, and the epoch goes on after it
+    (it ended there). A batch whose conversion fails takes its own place too (it was raised early,
+    and the good batch already taken off the queue was lost)."""
+    from cdmlfs_torch.prefetch import _Ahead
+
+    expected = [[0, 1], [2, 3], "ERR", [6, 7], [8, 9], [10, 11]]
+    assert _skipping_bad_batches(DataLoader(BadAt(12, 5), batch_size=2)) == expected
+
+    class Pass:
+        def __init__(self, start) -> None:
+            self.start = start
+
+        def __iter__(self):
+            ahead = _Ahead(iter(DataLoader(BadAt(12, 5), batch_size=2)), depth, self.start)
+            return iter(ahead.next, None)
+
+    assert _skipping_bad_batches(Pass(lambda b: b)) == expected
+
+    def start(batch: torch.Tensor) -> torch.Tensor:
+        if int(batch[0, 0, 0, 0]) == 8:
+            raise ValueError("conversion failed")
+        return batch
+
+    assert _skipping_bad_batches(Pass(start)) == [[0, 1], [2, 3], "ERR", [6, 7], "ERR", [10, 11]]
+    cpu = GPUPrefetchLoader(DataLoader(BadAt(12, 5), batch_size=2), device="cpu", is_image=lambda t: False)
+    assert _skipping_bad_batches(cpu) == expected  # the CPU pass-through agrees
