@@ -243,9 +243,14 @@ class ArchiveDatasetFolder(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def extra_repr(self) -> str:
+        """Override to add lines to ``repr`` (torchvision's hook: "Split: train", ...)."""
+        return ""
+
     def __repr__(self) -> str:
         """torchvision's ``VisionDataset`` layout, line for line."""
         body = [f"Number of datapoints: {len(self)}", f"Root location: {self.root}"]
+        body += self.extra_repr().splitlines()
         if self.transforms is not None:
             body.append(repr(self.transforms))  # one item: only its first line is indented
         return "\n".join([f"Dataset {type(self).__name__}"] + ["    " + line for line in body])

@@ -27,6 +27,7 @@ lists and dicts; other leaves pass through untouched.
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -107,6 +108,7 @@ class GPUPrefetchLoader:
         if self._mean is not None and self._std is not None and self._mean.numel() != self._std.numel():
             raise ValueError("mean and std must have the same number of channels")
         self._stats: dict[torch.device | None, tuple[Any, Any]] = {}
+        self._images_seen = mean is None and std is None  # nothing to check without them
         self._stream: torch.cuda.Stream | None = None
         self._metrics = LoaderMetrics()
 
@@ -161,6 +163,28 @@ class GPUPrefetchLoader:
             out.div_(std)
         return out if self.dtype == torch.float32 else out.to(self.dtype)
 
+    def _check_images(self, batch: Any) -> None:
+        """Warn once when mean/std were given but batches hold no image ``is_image`` accepts.
+
+        The usual cause: a transform ending in ``ToTensor()`` makes float images, which are left
+        as they are, so training would see un-normalised inputs without a word.
+        """
+        if self._images_seen:
+            return
+        leaves: list[torch.Tensor] = []
+        map_tensors(batch, leaves.append)
+        if any(self.is_image(t) for t in leaves):
+            self._images_seen = True
+            return
+        if any(t.is_floating_point() and t.dim() == 4 for t in leaves):
+            self._images_seen = True  # said once
+            warnings.warn(
+                "GPUPrefetchLoader: mean/std were given, but the batches hold float images, which are "
+                "passed through unchanged (only uint8 N,C,H,W images are normalised): end the transform "
+                "with PILToTensor()/v2.ToImage() instead of ToTensor(), or normalise in the transform",
+                stacklevel=3,
+            )
+
     def _convert(self, t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
         """One tensor: to ``device`` (None: stay on the CPU), normalised if it is an image."""
         if device is not None and t.device != device:
@@ -198,6 +222,7 @@ class _PassThroughIterator:
             self._metrics.finish()
             raise
         owner = self._owner
+        owner._check_images(batch)
         out = map_tensors(batch, lambda t: owner._convert(t, owner.device))
         self._metrics.add_wait(time.perf_counter() - t0)
         return out
@@ -269,6 +294,7 @@ class _CudaPrefetchIterator:
     def _issue(self, host: Any) -> tuple[Any, torch.cuda.Event, Any]:
         """Queue the copy and normalisation of one host batch on the side stream."""
         owner = self._owner
+        owner._check_images(host)
         device = owner.device
         with torch.cuda.stream(self._stream):
             # Work queued on the consumer's stream so far may produce this batch (tensors already

@@ -361,13 +361,13 @@ def resolve_root(root: str | os.PathLike, **open_kwargs: Any) -> Tree:
         return ArchiveTree(location, inner, **open_kwargs).check()
     if is_uri(text):
         return ArchiveTree(text, "", **open_kwargs).check()
-    head, rest = text, ""
+    head, rest = text.rstrip("/") or text, ""  # "data.zip/" names the archive's root, as "dir/" a dir
     while head and not os.path.lexists(head):
         parent, name = os.path.split(head.rstrip("/"))
         if parent == head or not name:
             break
         rest = f"{name}/{rest}" if rest else name
         head = parent
-    if head and rest and os.path.isfile(head):
+    if head and os.path.isfile(head):
         return ArchiveTree(head, rest, **open_kwargs).check()
     raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), text)

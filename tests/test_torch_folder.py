@@ -210,6 +210,8 @@ def test_whole_archive_and_directory_roots(trees: dict[str, Path]) -> None:
     assert top.classes == ["train", "val"]
     assert top.root_path == f"{trees['zip']}::"
     assert all(p.startswith(f"{trees['zip']}::train/") for p, _ in top.samples)
+    slash = ArchiveImageFolder(f"{trees['zip']}/", allow_empty=True)  # as "dir/" names a directory
+    assert slash.samples == top.samples
     local = ArchiveImageFolder(str(trees["extracted"]))  # a plain directory: torchvision's paths
     theirs = ImageFolder(str(trees["extracted"]))
     assert local.samples == theirs.samples and local.classes == theirs.classes
@@ -393,6 +395,20 @@ def test_transforms_attribute_and_repr_match_torchvision(trees: dict[str, Path])
         assert repr(ours).replace(f"{trees['zip']}::train", "ROOT") == repr(theirs).replace(
             str(trees["extracted"]), "ROOT"
         ).replace("Dataset ImageFolder", "Dataset ArchiveImageFolder")
+
+    class Split(ImageFolder):  # torchvision's hook for more repr lines
+        def extra_repr(self) -> str:
+            return "Split: train"
+
+    class OurSplit(ArchiveImageFolder):
+        def extra_repr(self) -> str:
+            return "Split: train"
+
+    theirs, ours = Split(str(trees["extracted"])), OurSplit(f"{trees['zip']}::train")
+    here = f"{trees['zip']}::train"
+    assert repr(ours).splitlines()[1:] == [
+        line.replace(str(trees["extracted"]), here) for line in repr(theirs).splitlines()[1:]
+    ]
 
 
 def test_allow_empty_keeps_empty_classes(tmp_path: Path) -> None:

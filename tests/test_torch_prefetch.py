@@ -243,3 +243,18 @@ def test_the_cuda_prefetch_order_keeps_a_failed_batch_in_its_place(depth: int) -
     assert _skipping_bad_batches(Pass(start)) == [[0, 1], [2, 3], "ERR", [6, 7], "ERR", [10, 11]]
     cpu = GPUPrefetchLoader(DataLoader(BadAt(12, 5), batch_size=2), device="cpu", is_image=lambda t: False)
     assert _skipping_bad_batches(cpu) == expected  # the CPU pass-through agrees
+
+
+def test_float_images_with_mean_and_std_get_one_warning() -> None:
+    """ToTensor() at the end of a transform makes float images, which pass through unnormalised:
+    said once, not silently; uint8 images, or no mean/std, say nothing."""
+    floats = [torch.rand(2, 3, 4, 4) for _ in range(3)]
+    with pytest.warns(UserWarning, match="float images") as caught:
+        out = list(GPUPrefetchLoader(floats, device="cpu", mean=MEAN, std=STD))
+    assert len(caught) == 1 and all(torch.equal(a, b) for a, b in zip(out, floats))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(GPUPrefetchLoader(floats, device="cpu"))
+        list(GPUPrefetchLoader(image_loader(), device="cpu", mean=MEAN, std=STD))
