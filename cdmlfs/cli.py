@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 from cdmlfs import __version__, fuseloop, sizes
-from cdmlfs.errors import CdmlfsError, LinkLoopError, NotFoundError, UsageError
+from cdmlfs.errors import CdmlfsError, LinkLoopError, NotADirectoryError_, NotFoundError, UsageError
 
 log = logging.getLogger("cdmlfs")
 
@@ -75,6 +75,8 @@ def parse_fuse_options(values: list[str]) -> dict[str, str | bool]:
                 if key == "rw":
                     raise UsageError("-o rw: cdmlfs mounts are read-only")
                 continue
+            if key in ("subtype", "fsname"):  # stats, umount and doctor find our mounts by these
+                raise UsageError(f"-o {key}: cdmlfs sets it (its commands find their mounts by it)")
             opts[key] = val if sep else True
     return opts
 
@@ -236,6 +238,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         except (NotFoundError, LinkLoopError):  # dangling or looping: listed, as GNU ls does
             st = archive.stat(args.path, follow_symlinks=False)
         if not st.is_dir:
+            if args.path.endswith("/"):  # "file.txt/": a directory was asked for, as ls says
+                raise NotADirectoryError_(f"{args.path}: not a directory")
             rows = [archive.stat(args.path, follow_symlinks=False)]
             prefix = ""
         elif args.recursive:
@@ -247,9 +251,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
             rows = archive.scandir(args.path)
             prefix = ""
         out = sys.stdout
+        quote = _quote_for_terminal if out.isatty() else str
         for r in rows:
-            name = r.path if args.recursive or not st.is_dir else r.path.rpartition("/")[2]
-            if r.is_dir and (args.recursive or not args.long):
+            name = quote(r.path if args.recursive or not st.is_dir else r.path.rpartition("/")[2])
+            if r.is_dir:
                 name += "/"
             if args.long:
                 when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.mtime))
@@ -260,6 +265,30 @@ def cmd_ls(args: argparse.Namespace) -> int:
             else:
                 out.write(prefix + name + "\n")
     return 0
+
+
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def _escape_char(c: str) -> str:
+    o = ord(c)
+    if 0xDC80 <= o <= 0xDCFF:  # a byte of a name that is not UTF-8 (surrogateescape)
+        return f"\\x{o - 0xDC00:02x}"
+    if o < 0x20 or 0x7F <= o <= 0x9F:
+        return f"\\x{o:02x}"
+    if 0xD800 <= o <= 0xDFFF:
+        return f"\\u{o:04x}"
+    return {"\\": "\\\\", "'": "\\'"}.get(c, c)
+
+
+def _quote_for_terminal(name: str) -> str:
+    """A name with control characters (a newline...) as GNU ls shows it on a terminal: $'a\\nb'.
+
+    Piped output stays raw, as GNU ls's does, for scripts that read names back.
+    """
+    if not _UNPRINTABLE.search(name):
+        return name
+    return "$'" + "".join(map(_escape_char, name)) + "'"
 
 
 def cmd_cat(args: argparse.Namespace) -> int:

@@ -598,6 +598,7 @@ def pack(
         raise UsageError(f"{out}: is a directory")
     pipe = source = None
     stream: str | None = None
+    opened_fd: int | None = None
     try:
         if src == STDIN:
             if sys.stdin is None:
@@ -613,6 +614,16 @@ def pack(
             pipe = tar_stream.Pipe(fd)
             stream = pipe.kind()
             where = "standard input"
+        elif "://" not in src and _is_pipe(src):
+            # A FIFO or a shell's process substitution (<(curl ...), /dev/fd/N): read once, forward,
+            # as standard input is.
+            try:
+                opened_fd = os.open(src, os.O_RDONLY)
+            except OSError as exc:
+                raise UsageError(f"{src}: cannot read it ({exc.strerror})") from None
+            pipe = tar_stream.Pipe(opened_fd)
+            stream = pipe.kind()
+            where = src
         else:
             remote = "://" in src  # an archive URI (s3://...): opened like any archive
             if not remote and not os.path.exists(src):
@@ -644,6 +655,15 @@ def pack(
     finally:
         if source is not None:
             source.close()
+        if opened_fd is not None:
+            os.close(opened_fd)
+
+
+def _is_pipe(path: str) -> bool:
+    try:
+        return statmod.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _open_if_stream(src: str, options: dict, zstd: bool) -> tuple[Source | None, str | None]:

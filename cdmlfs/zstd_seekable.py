@@ -107,6 +107,14 @@ def parse_frame_header(buf: bytes | memoryview, where: int = 0) -> FrameHeader:
     return FrameHeader(header_size, content_size, has_checksum, window_size)
 
 
+# A cut tar.zst has no usable frame index; the plain tar that zstd decodes from it does: cdmlfs
+# lists the members before the cut there (with a warning) and gives EIO for the one cut.
+TRUNCATED_HINT = (
+    " (a truncated copy? 'zstd -dc' writes what it holds to a .tar, which mounts with the members "
+    "before the cut)"
+)
+
+
 class _Window:
     """Forward positioned reads for walking a zstd file: one source read per MiB, not per block.
 
@@ -131,7 +139,7 @@ class _Window:
             at = lo + kept
             length = min(max(pos + n - at, WALK_CHUNK), self.source.size - at)
             if at + length < pos + n:
-                raise ArchiveFormatError(f"zstd data is truncated at offset {pos}")
+                raise ArchiveFormatError(f"zstd data is truncated at offset {pos}{TRUNCATED_HINT}")
             fresh = self.source.read_at(at, length)
             self.buf = memoryview(b"".join((self.buf[j:], fresh)) if kept else fresh)
             self.start, i = lo, pos - lo
@@ -234,7 +242,7 @@ class FrameWalker:
         if pos < 0:
             return 0
         if pos + 3 > self.size:
-            raise ArchiveFormatError(f"zstd block header at offset {pos} is truncated")
+            raise ArchiveFormatError(f"zstd block header at offset {pos} is truncated{TRUNCATED_HINT}")
         b = self._window.get(pos, 3)
         header = b[0] | (b[1] << 8) | (b[2] << 16)
         block_type = (header >> 1) & 3
@@ -247,7 +255,7 @@ class FrameWalker:
             assert self.header is not None
             end += 4 if self.header.has_checksum else 0
         if end > self.size:
-            raise ArchiveFormatError(f"zstd frame at offset {self._frame} is truncated")
+            raise ArchiveFormatError(f"zstd frame at offset {self._frame} is truncated{TRUNCATED_HINT}")
         if last:
             self._block = -1
             self.pos = end

@@ -165,6 +165,39 @@ def test_cli_ls_cat_extract(archive: Path, tmp_path: Path) -> None:
     assert b"cdmlfs" in res.stdout and b"inflate" in res.stdout
 
 
+def test_cli_ls_marks_folders_alike_and_quotes_control_characters_on_a_terminal(tmp_path: Path) -> None:
+    import pty
+    import subprocess
+    import sys
+
+    z = python_zip(tmp_path / "n.zip", {"dir/a.txt": b"a", "line\nbreak.txt": b"b"})
+    short = run_cli("ls", str(z), check=True).stdout.decode()
+    long = run_cli("ls", "-l", str(z), check=True).stdout.decode()
+    first = long.splitlines()[0]
+    assert "dir/\n" in short and first.startswith("d") and first.endswith(" dir/")  # -l marks them too
+    assert "line\nbreak.txt\n" in short  # piped: the raw name, as GNU ls writes it for scripts
+    res = run_cli("ls", str(z), "dir/a.txt/")
+    assert res.returncode != 0 and "not a directory" in res.stderr.decode()
+    controller, terminal = pty.openpty()  # on a terminal, a name cannot break a line
+    with subprocess.Popen(
+        [sys.executable, "-m", "cdmlfs", "ls", str(z)], stdout=terminal, stderr=subprocess.DEVNULL
+    ) as proc:
+        os.close(terminal)
+        shown = b""
+        while chunk := _read_pty(controller):
+            shown += chunk
+        assert proc.wait(timeout=60) == 0
+    os.close(controller)
+    assert "$'line\\x0abreak.txt'" in shown.decode(), shown
+
+
+def _read_pty(fd: int) -> bytes:
+    try:
+        return os.read(fd, 4096)
+    except OSError:  # EIO once the child closed its side
+        return b""
+
+
 def test_cli_extract_of_a_folder_goes_on_past_a_bad_entry(tmp_path: Path) -> None:
     """As tar -x: a corrupt member, or a name taken at the destination, is reported on its own line
     and the rest of the folder is extracted; the exit status says something failed."""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import shlex
+import subprocess
 import zipfile
 from pathlib import Path
 
 import pytest
-from mountutil import mounted, run_cli, tree, unzip
+from mountutil import CDMLFS, mounted, run_cli, tree, unzip
 from test_tar_support import cdmlfs_pack, extract, gnu_tar, tricky_tree
 
 from cdmlfs.archive import Archive
@@ -440,6 +442,25 @@ def test_a_tar_stream_on_standard_input(compress: str | None, src: Path, tmp_pat
         err = res.stderr.decode().strip()
         assert res.returncode == 1 and "standard input" in err and len(err.splitlines()) == 1, err
         assert not (tmp_path / "bad.tar.zst").exists()
+
+
+def test_a_fifo_or_process_substitution_is_read_as_a_stream(src: Path, tmp_path: Path) -> None:
+    """``cdmlfs pack <(curl ... ) OUT`` names /dev/fd/N, a pipe: read once, as standard input is."""
+    piped = gnu_tar(tmp_path / "in", src, "pax", COMPRESSORS["gzip"])
+    out = tmp_path / "o.tar.zst"
+    script = f"{shlex.join([*CDMLFS, 'pack', '-q'])} <(cat {shlex.quote(str(piped))}) {shlex.quote(str(out))}"
+    res = subprocess.run(["bash", "-c", script], capture_output=True, timeout=120)
+    assert res.returncode == 0, res.stderr.decode()
+    _same_tree(tree(extract(out, tmp_path / "x")), tree(src))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = subprocess.Popen(["bash", "-c", f"cat {shlex.quote(str(piped))} > {shlex.quote(str(fifo))}"])
+    try:
+        res = run_cli("pack", "-q", str(fifo), str(tmp_path / "f.tar"), timeout=60)
+    finally:
+        writer.wait(timeout=30)
+    assert res.returncode == 0, res.stderr.decode()
+    _same_tree(tree(extract(tmp_path / "f.tar", tmp_path / "y")), tree(src))
 
 
 def test_standard_input_refusals_are_one_line(src: Path, tmp_path: Path) -> None:

@@ -276,6 +276,7 @@ def test_cli_errors_are_one_line_and_leave_no_mount(tmp_path: Path, mnt: Path) -
         ("mount", str(good), str(mnt), "--pid-file", str(tmp_path / "no" / "such" / "x.pid")),
         ("mount", "-f", str(good), str(mnt), "--pid-file", str(tmp_path)),
         ("mount", str(good), str(mnt), "--readahead", "3G"),  # would evict what it read ahead
+        ("mount", str(good), str(mnt), "-o", "subtype=mine"),  # cdmlfs stats would not find it
         ("pack", str(good), str(tmp_path / "out.tar.zst"), "--threads", "0"),
     ]
     for args in cases:
