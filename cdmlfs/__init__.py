@@ -18,10 +18,12 @@ __version__ = "0.1.0"
 
 from cdmlfs.errors import (
     ArchiveFormatError,
+    ArchiveNotFoundError,
     CdmlfsError,
     CorruptMemberError,
     EncryptedMemberError,
     MemberError,
+    NotASymlinkError,
     NotFoundError,
     SourceChangedError,
     SourceError,
@@ -33,10 +35,12 @@ from cdmlfs.errors import (
 __all__ = [
     "Archive",
     "ArchiveFormatError",
+    "ArchiveNotFoundError",
     "CdmlfsError",
     "CorruptMemberError",
     "EncryptedMemberError",
     "MemberError",
+    "NotASymlinkError",
     "NotFoundError",
     "SourceChangedError",
     "SourceError",

@@ -14,6 +14,8 @@ import operator
 import os
 import posixpath
 import threading
+import warnings
+import weakref
 from collections.abc import Callable, Iterator
 
 from cdmlfs.cache import ExtentCache
@@ -23,6 +25,7 @@ from cdmlfs.errors import (
     LinkLoopError,
     MemberError,
     NotADirectoryError_,
+    NotASymlinkError,
     NotFoundError,
     SourceChangedError,
 )
@@ -39,7 +42,7 @@ DEFAULT_CACHE_SIZE = 512 << 20
 MIN_CACHE_SIZE = 1 << 20
 OPTIONS = S3_OPTIONS | {"index_dir"}  # what Archive(**options) passes to sources and formats
 MAX_SYMLINK_HOPS = 40
-_MISSING = (NotFoundError, LinkLoopError)  # what os.path.exists / isdir / isfile answer False for
+_MISSING = (NotFoundError, LinkLoopError, NotADirectoryError_)  # os.path.exists / isdir / isfile: False
 
 
 class _WarningsOfThisThread(logging.Handler):
@@ -71,8 +74,12 @@ def _cache_bytes(size: int | str) -> int:
     """``cache_size`` as bytes: an int, or a string as the CLI takes it ("512M", "2G")."""
     if isinstance(size, str):
         size = parse_size(size)
-    if isinstance(size, bool) or not isinstance(size, int):
-        raise TypeError(f"cache_size must be a number of bytes or a string like '512M', not {size!r}")
+    try:
+        if isinstance(size, bool):
+            raise TypeError
+        size = operator.index(size)  # an int, a numpy integer...
+    except TypeError:
+        raise TypeError(f"cache_size must be bytes (an int) or a string like '512M', not {size!r}") from None
     if size < MIN_CACHE_SIZE:
         raise ValueError(f"cache_size must be at least 1M (a read needs room for its data), not {size}")
     return size
@@ -81,6 +88,23 @@ def _cache_bytes(size: int | str) -> int:
 def _stops_extraction(exc: Exception) -> bool:
     """Failures that every later entry would meet too: going on would only repeat them."""
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
+
+
+def _close_parts(reader: ExtentReader, cache: ExtentCache, source: Source) -> None:
+    reader.close()  # reads after this fail: the file descriptor number may be reused
+    cache.clear()
+    source.close()
+
+
+def _close_unclosed(reader: ExtentReader, cache: ExtentCache, source: Source, location: str) -> None:
+    warnings.warn(f"unclosed archive {location}", ResourceWarning, stacklevel=2)
+    _close_parts(reader, cache, source)
+
+
+def _ends_with_slash(path) -> bool:
+    if isinstance(path, (bytes, bytearray)):
+        return path.endswith(b"/")
+    return isinstance(path, str) and path.endswith("/")  # a PurePath never keeps one
 
 
 def _member_path(path) -> str:
@@ -147,6 +171,12 @@ class Archive:
         except BaseException:
             self.source.close()
             raise
+        # Dropped without close() (cdmlfs.open(p).read(x), a copy, an unpickled worker's): the
+        # descriptor, decode threads and cache go with the object, as an unclosed file's do.
+        self._finalizer = weakref.finalize(
+            self, _close_unclosed, self.reader, self.cache, self.source, self.location
+        )
+        self._finalizer.atexit = False  # at exit the process lets go of all of it anyway
 
     # -- lifecycle -----------------------------------------------------------
     @property
@@ -168,9 +198,8 @@ class Archive:
             warm(decode_ahead=decode_ahead)
 
     def close(self) -> None:
-        self.reader.close()  # reads after this fail: the file descriptor number may be reused
-        self.cache.clear()
-        self.source.close()
+        self._finalizer.detach()
+        _close_parts(self.reader, self.cache, self.source)
 
     def __enter__(self) -> Archive:
         return self
@@ -212,19 +241,27 @@ class Archive:
         """
         if self.reader.closed:
             raise ValueError("I/O operation on a closed archive")
+        asked = path
         path = _member_path(path)
         index = self.index
+        if path and _ends_with_slash(asked):  # "name/" must be a directory (a link to one), as for os
+            follow = True
         while True:
             eid = index.get(path)
             if eid is None:
                 eid = self._resolve_through_links(path, hops)
             if not follow or index.kind[eid] != SYMLINK:
-                return eid
+                break
             hops += 1
             if hops > MAX_SYMLINK_HOPS:
                 raise LinkLoopError(f"{path}: too many levels of symbolic links")
             target = self.reader.readlink(eid)
-            path = self._join_link(path, target)
+            # Relative to the folder the link really is in: reached through another link, the path
+            # asked for names a different folder (and its target would be another file).
+            path = self._join_link(index.paths[eid], target)
+        if path and _ends_with_slash(asked) and index.kind[eid] != DIR:
+            raise NotADirectoryError_(f"{os.fsdecode(asked)}: not a directory")
+        return eid
 
     def _resolve_through_links(self, path: str, hops: int) -> int:
         """Slow path: a parent component may itself be a symlink."""
@@ -289,13 +326,20 @@ class Archive:
         return [self.index.name(c) for c in self.index.children(eid)]
 
     def scandir(self, path: str = "") -> list[EntryStat]:
+        """The entries of a directory with their stat records (``EntryStat``: path, kind, size,
+        mode, mtime... as attributes, not ``os.DirEntry`` methods), read from the index at once."""
         eid = self._resolve(path)
+        if self.index.kind[eid] != DIR:
+            raise NotADirectoryError_(f"{path}: not a directory")
         return [self.index.stat(c) for c in self.index.children(eid)]
 
     def walk(self, top: str = "") -> Iterator[tuple[str, list[str], list[str]]]:
-        """Like ``os.walk``: top-down, paths from ``top`` as given, each directory's entries in name
-        order (ZIP) or archive order (tar); a symlink to a directory is listed with the directories
-        but not followed."""
+        """Like ``os.walk``: top-down, each directory's entries in name order (ZIP) or archive
+        order (tar); a symlink to a directory is listed with the directories but not followed.
+
+        Unlike ``os.walk``: paths are member paths (``top`` normalised: ``"./a/"`` gives ``"a"``),
+        and a ``top`` that is missing or not a directory raises instead of yielding nothing.
+        """
         index = self.index
         stack = [(_member_path(top), self._resolve(top))]
         while stack:
@@ -333,12 +377,14 @@ class Archive:
     def readlink(self, path: str) -> str:
         eid = self._resolve(path, follow=False)
         if self.index.kind[eid] != SYMLINK:
-            raise OSError(22, f"{path}: not a symbolic link")
+            raise NotASymlinkError(f"{path}: not a symbolic link")
         return self.reader.readlink(eid)
 
     # -- data ----------------------------------------------------------------
-    def read(self, path: str, offset: int = 0, size: int = -1) -> bytes:
-        """Bytes of a file (following symlinks); ``size=-1`` reads to the end."""
+    def read(self, path: str, offset: int = 0, size: int | None = -1) -> bytes:
+        """Bytes of a file (following symlinks); ``size=-1`` (or None) reads to the end."""
+        offset = operator.index(offset)
+        size = -1 if size is None else operator.index(size)
         if offset < 0:
             raise ValueError(f"negative offset {offset}")
         eid = self._resolve(path)
@@ -364,7 +410,8 @@ class Archive:
         eid = self._resolve(path)
         if self.index.kind[eid] == DIR:
             raise IsADirectoryError_(f"{path}: is a directory")
-        raw = MemberFile(self.reader, eid, self.index.paths[eid])
+        raw = MemberFile(self.reader, eid, _member_path(path))  # named as asked, a link's own name too
+        raw._archive = self  # the archive lives as long as a file of it is open: cdmlfs.open(p).open(n)
         if buffering == 0:
             return raw
         return io.BufferedReader(raw, buffer_size=buffering if buffering > 0 else 1 << 20)
@@ -458,6 +505,8 @@ class MemberFile(io.RawIOBase):
     """Raw, seekable reads of one member through the extent reader (``FileIO``'s behaviour)."""
 
     mode = "rb"
+
+    _archive: Archive | None = None
 
     def __init__(self, reader: ExtentReader, eid: int, name: str) -> None:
         self._reader = reader

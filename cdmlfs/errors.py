@@ -82,7 +82,19 @@ class NotADirectoryError_(CdmlfsError):
     errno = _errno.ENOTDIR
 
 
+class NotASymlinkError(CdmlfsError):
+    """readlink of something that is not a symbolic link."""
+
+    errno = _errno.EINVAL
+
+
 class UsageError(CdmlfsError):
     """A bad command-line option or mount point; the CLI prints it and exits 2."""
 
     errno = _errno.EINVAL
+
+
+class ArchiveNotFoundError(UsageError):
+    """The archive itself does not exist (a usage error for the CLI, ENOENT for the API)."""
+
+    errno = _errno.ENOENT

@@ -640,8 +640,11 @@ def pack(
             )
         options = dict(level=level, frame_size=frame_size, threads=threads, archive_options=archive_options)
         try:
-            return _pack(src, out, kind, progress=progress, pipe=pipe, source=source, stream=stream,
-                         where=where, **options)  # fmt: skip
+            summary = _pack(src, out, kind, progress=progress, pipe=pipe, source=source, stream=stream,
+                            where=where, **options)  # fmt: skip
+            if opened_fd is not None:  # read to its end: the read-ahead thread is done with it
+                os.close(opened_fd)
+            return summary
         except tar_stream.UnterminatedTar as exc:
             if stream != "zstd" or pipe is not None:
                 raise
@@ -655,8 +658,8 @@ def pack(
     finally:
         if source is not None:
             source.close()
-        if opened_fd is not None:
-            os.close(opened_fd)
+        # A pack that failed may leave the read-ahead thread blocked in a read of the pipe: its
+        # descriptor stays open (closed, its number could be reused and read by that thread).
 
 
 def _is_pipe(path: str) -> bool:

@@ -7,6 +7,7 @@ import os
 import pickle
 import random
 import struct
+import time
 import zipfile
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from cdmlfs.errors import (
     CorruptMemberError,
     EncryptedMemberError,
     LinkLoopError,
+    NotADirectoryError_,
     NotFoundError,
     UnsupportedMethodError,
 )
@@ -219,6 +221,66 @@ def test_cli_extract_of_a_folder_goes_on_past_a_bad_entry(tmp_path: Path) -> Non
     assert not (out / "train/cat/1.txt").exists()  # never a partial or wrong file
 
 
+def test_links_resolve_where_they_are_and_a_slash_asks_for_a_directory(tmp_path: Path) -> None:
+    """A relative link reached through another link is relative to the folder it really is in
+    (the path asked for names another folder: it read another file's bytes), as the kernel
+    resolves it through a mount; "file/" is not a file, as for os."""
+    import tarfile
+
+    src = tmp_path / "d"
+    (src / "sub/deeper").mkdir(parents=True)
+    (src / "b.txt").write_bytes(b"root b")
+    (src / "sub/b.txt").write_bytes(b"sub b")
+    os.symlink("sub/deeper", src / "deep")
+    os.symlink("../b.txt", src / "sub/deeper/x")
+    os.symlink("../../sub", src / "sub/deeper/back")
+    with tarfile.open(tmp_path / "l.tar", "w") as tf:
+        tf.add(src, arcname=".")
+    with cdmlfs.open(tmp_path / "l.tar", index_dir=str(tmp_path / "idx")) as ar:
+        for path in ("deep/x", "sub/deeper/x", "deep/back/deeper/x", "deep/back/b.txt"):
+            assert ar.read(path) == (src / path).read_bytes(), path
+        assert not ar.exists("b.txt/") and not ar.isfile("b.txt/") and ar.isdir("deep/")
+        assert ar.listdir("deep/") == sorted(os.listdir(src / "deep"))
+        with pytest.raises(NotADirectoryError_):
+            ar.read("b.txt/")
+
+
+def test_an_archive_dropped_without_close_lets_go_of_its_descriptor_and_threads(tmp_path: Path) -> None:
+    import gc
+    import threading
+    import warnings
+
+    from cdmlfs.pack import pack
+
+    (tmp_path / "d").mkdir()
+    blob = text_bytes(3 << 20, 7)
+    (tmp_path / "d/big.txt").write_bytes(blob)
+    pack(str(tmp_path / "d"), str(tmp_path / "t.tar.zst"), frame_size=1 << 20)
+    z = python_zip(tmp_path / "z.zip", {"a.txt": b"a" * 1000})
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    gc.collect()
+    fds0, threads0 = fds(), threading.active_count()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        for _ in range(10):
+            assert cdmlfs.open(tmp_path / "t.tar.zst", index_dir=str(tmp_path / "i")).read("big.txt") == blob
+            assert cdmlfs.open(z).read("a.txt") == b"a" * 1000
+        gc.collect()
+        for _ in range(100):  # the frame threads stop on their own after being told to
+            if threading.active_count() == threads0:
+                break
+            time.sleep(0.05)
+    assert fds() == fds0 and threading.active_count() == threads0
+    assert sum(issubclass(w.category, ResourceWarning) for w in caught) == 20  # said, as for files
+    f = cdmlfs.open(z).open("a.txt")  # the file keeps its archive open
+    gc.collect()
+    assert f.read() == b"a" * 1000
+    f.close()
+
+
 def test_random_ranges_of_large_members_all_methods(tmp_path: Path) -> None:
     rng = random.Random(3)
     blob = text_bytes(3_000_000, 4) + rng.randbytes(500_000)
@@ -252,6 +314,14 @@ def test_cache_size_takes_the_cli_forms_and_refuses_what_cannot_work(archive: Pa
     with pytest.raises(cdmlfs.CdmlfsError) as e, cdmlfs.open(str(archive)) as ar:  # the API's errors
         ar.read("no/such/member")
     assert isinstance(e.value, cdmlfs.NotFoundError) and e.value.errno == 2
+    with pytest.raises(cdmlfs.ArchiveNotFoundError) as e:
+        cdmlfs.open(str(archive) + ".missing")
+    assert e.value.errno == 2 and isinstance(e.value, cdmlfs.UsageError)  # the CLI: exit status 2
+    with pytest.raises(cdmlfs.NotASymlinkError), cdmlfs.open(str(archive)) as ar:
+        ar.readlink("readme.txt")
+    with cdmlfs.open(str(archive)) as ar:  # size=None: to the end, like -1
+        whole = sample_files()["readme.txt"]
+        assert ar.read("readme.txt", size=None) == ar.read("readme.txt", 0, -1) == whole
 
 
 def test_open_missing_file_is_usage_error(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import stat
 
-from cdmlfs.errors import SourceError, UsageError
+from cdmlfs.errors import ArchiveNotFoundError, SourceError, UsageError
 from cdmlfs.sources.base import SourceIdentity
 
 
@@ -20,7 +20,7 @@ class LocalFile:
             # O_NONBLOCK: opening a FIFO would otherwise wait for a writer forever (refused below).
             fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
-            raise UsageError(f"{path}: no such file") from None
+            raise ArchiveNotFoundError(f"{path}: no such file") from None
         except IsADirectoryError:
             raise UsageError(f"{path}: is a directory, not an archive") from None
         except OSError as exc:
