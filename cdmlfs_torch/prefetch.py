@@ -105,8 +105,13 @@ class GPUPrefetchLoader:
         self.is_image = is_image
         self._mean = None if mean is None else torch.tensor(list(mean), dtype=torch.float32).view(1, -1, 1, 1)
         self._std = None if std is None else torch.tensor(list(std), dtype=torch.float32).view(1, -1, 1, 1)
-        if self._mean is not None and self._std is not None and self._mean.numel() != self._std.numel():
-            raise ValueError("mean and std must have the same number of channels")
+        if (
+            self._mean is not None
+            and self._std is not None
+            and 1 not in (self._mean.numel(), self._std.numel())
+            and self._mean.numel() != self._std.numel()
+        ):
+            raise ValueError("mean and std must have the same number of channels (or one value)")
         self._stats: dict[torch.device | None, tuple[Any, Any]] = {}
         self._images_seen = mean is None and std is None  # nothing to check without them
         self._stream: torch.cuda.Stream | None = None
@@ -152,7 +157,7 @@ class GPUPrefetchLoader:
         mean, std = self._stats_on(images.device if images.device.type != "cpu" else None)
         channels = images.shape[1]
         for name, stat in (("mean", mean), ("std", std)):
-            if stat is not None and stat.numel() != channels:
+            if stat is not None and stat.numel() not in (1, channels):  # one value: all channels
                 raise ValueError(f"{name} has {stat.numel()} values but the images have {channels} channels")
         fmt = torch.channels_last if self.channels_last else torch.preserve_format
         out = images.to(torch.float32, memory_format=fmt, copy=True)  # never the caller's tensor

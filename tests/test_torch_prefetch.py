@@ -129,7 +129,11 @@ def test_float_images_chosen_by_is_image_are_not_changed_in_place() -> None:
 
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="same number of channels"):
-        GPUPrefetchLoader(image_loader(), device="cpu", mean=(0.5, 0.5, 0.5), std=(0.5,))
+        GPUPrefetchLoader(image_loader(), device="cpu", mean=(0.5, 0.5, 0.5), std=(0.5, 0.5))
+    # One value stands for every channel, as torchvision's Normalize broadcasts it.
+    x, _ = next(iter(GPUPrefetchLoader(image_loader(), device="cpu", mean=(0.5,), std=(0.25,))))
+    x0, _ = next(iter(image_loader()))
+    torch.testing.assert_close(x, manual(x0, (0.5,) * 3, (0.25,) * 3))
     with pytest.raises(ValueError, match="channels"):
         next(iter(GPUPrefetchLoader(image_loader(), device="cpu", mean=(0.5, 0.5))))
     with pytest.raises(ValueError):
