@@ -77,7 +77,9 @@ def split_sample_path(path: str) -> tuple[str, str] | None:
 
     The split is at the first ``::`` whose left side is an archive already open in
     this process (datasets open theirs before calling a loader), else at the first
-    ``::``. A path that exists locally is a plain path even if it contains ``::``.
+    ``::`` whose left side is a local file (an archive named ``x::y.zip`` too) or
+    a URI. A path that exists locally, or whose ``::`` follow no file, is a plain
+    path: a deleted sample in a folder named ``a::b`` is FileNotFoundError, as on disk.
     """
     if SEP not in path:
         return None
@@ -89,8 +91,13 @@ def split_sample_path(path: str) -> tuple[str, str] | None:
         start = at + 1
     if os.path.exists(path):
         return None
-    location, _, inner = path.partition(SEP)
-    return location, inner.strip("/")
+    start = 0
+    while (at := path.find(SEP, start)) >= 0:
+        location = path[:at]
+        if is_uri(location) or os.path.isfile(location):
+            return location, path[at + len(SEP) :].strip("/")
+        start = at + 1
+    return None
 
 
 class Tree:
@@ -356,9 +363,9 @@ def resolve_root(root: str | os.PathLike, **open_kwargs: Any) -> Tree:
             return LocalTree(text)
         if os.path.isfile(text):
             return ArchiveTree(text, "", **open_kwargs).check()
-    if SEP in text:
-        location, _, inner = text.partition(SEP)
-        return ArchiveTree(location, inner, **open_kwargs).check()
+    # LOCATION::INNER splits after a file's name or a URI: an archive may be named 'x::y.zip'.
+    if SEP in text and (split := split_sample_path(text)) is not None:
+        return ArchiveTree(*split, **open_kwargs).check()
     if is_uri(text):
         return ArchiveTree(text, "", **open_kwargs).check()
     head, rest = text.rstrip("/") or text, ""  # "data.zip/" names the archive's root, as "dir/" a dir

@@ -520,3 +520,26 @@ def test_bad_samples_raise_oserror_like_files_on_disk(tmp_path: Path) -> None:
     with pytest.raises(OSError) as err:
         ds[by_name["loop_a.png"]]
     assert err.value.errno == errno.ELOOP  # as on disk: not a FileNotFoundError
+
+
+def test_double_colons_in_real_names(tmp_path: Path) -> None:
+    """'::' separates archive and member only after a file (or a URI): a folder named 'a::b' on
+    disk is a folder (a deleted sample is FileNotFoundError, as torchvision's), and an archive
+    named 'x::y.zip' opens with its own '::'."""
+    folder = tmp_path / "a::b"
+    for cls in ("cat", "dog"):
+        (folder / cls).mkdir(parents=True)
+        Image.new("RGB", (4, 4), (10, 20, 30)).save(folder / cls / "1.png")
+    ds = ArchiveImageFolder(str(folder))
+    assert ds.samples == ImageFolder(str(folder)).samples
+    os.unlink(folder / "dog" / "1.png")
+    with pytest.raises(FileNotFoundError):
+        ds[1]
+    odd = tmp_path / "x::y.zip"
+    with zipfile.ZipFile(odd, "w") as zf:
+        for cls in ("cat", "dog"):
+            zf.write(folder / "cat" / "1.png", f"top/{cls}/1.png")
+    for root in (f"{odd}::top", f"{odd}/top"):
+        ds = ArchiveImageFolder(root)
+        assert ds.classes == ["cat", "dog"] and ds[1][0].size == (4, 4), root
+    assert cdmlfs_torch.read_sample(f"{odd}::top/cat/1.png") == (folder / "cat" / "1.png").read_bytes()
