@@ -48,21 +48,24 @@ _MISSING = (NotFoundError, LinkLoopError, NotADirectoryError_)  # os.path.exists
 class _WarningsOfThisThread(logging.Handler):
     """Keeps the warnings cdmlfs logs while this thread opens an archive (``Archive.open_warnings``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, also_print: bool) -> None:
         super().__init__(logging.WARNING)
         self.thread = threading.get_ident()
         self.messages: list[str] = []
+        self.also_print = also_print
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.thread == self.thread:
             with contextlib.suppress(Exception):  # a bad format string must not fail the open
                 self.messages.append(record.getMessage())
+        if self.also_print:  # no logging set up: print as Python's last-resort handler would have
+            logging.lastResort.handle(record)
 
 
 @contextlib.contextmanager
 def _keeping_warnings() -> Iterator[list[str]]:
-    handler = _WarningsOfThisThread()
     logger = logging.getLogger("cdmlfs")
+    handler = _WarningsOfThisThread(also_print=not logger.hasHandlers() and logging.lastResort is not None)
     logger.addHandler(handler)
     try:
         yield handler.messages
@@ -249,7 +252,7 @@ class Archive:
         while True:
             eid = index.get(path)
             if eid is None:
-                eid = self._resolve_through_links(path, hops)
+                eid = self._resolve_through_links(path, hops, follow)
             if not follow or index.kind[eid] != SYMLINK:
                 break
             hops += 1
@@ -263,8 +266,9 @@ class Archive:
             raise NotADirectoryError_(f"{os.fsdecode(asked)}: not a directory")
         return eid
 
-    def _resolve_through_links(self, path: str, hops: int) -> int:
-        """Slow path: a parent component may itself be a symlink."""
+    def _resolve_through_links(self, path: str, hops: int, follow: bool) -> int:
+        """Slow path: a parent component may itself be a symlink (the last one is followed only
+        with ``follow``)."""
         index = self.index
         parts = path.split("/") if path else []
         cur = ""
@@ -280,7 +284,7 @@ class Archive:
                 nxt = self._join_link(nxt, self.reader.readlink(eid))
                 eid = index.get(nxt)
                 if eid is None or index.kind[eid] == SYMLINK:
-                    return self._resolve(nxt + "/" + "/".join(parts[i + 1 :]), True, hops)
+                    return self._resolve(nxt + "/" + "/".join(parts[i + 1 :]), follow, hops)
             cur = nxt
         eid = index.get(cur)
         if eid is None:
@@ -517,6 +521,10 @@ class MemberFile(io.RawIOBase):
 
     def __repr__(self) -> str:
         return f"<cdmlfs.MemberFile name={self.name!r}{' closed' if self.closed else ''}>"
+
+    def close(self) -> None:
+        super().close()
+        self._archive = None  # the archive may go now (see Archive.open)
 
     def _check_open(self) -> None:
         if self.closed:

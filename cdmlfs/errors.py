@@ -82,8 +82,8 @@ class NotADirectoryError_(CdmlfsError):
     errno = _errno.ENOTDIR
 
 
-class NotASymlinkError(CdmlfsError):
-    """readlink of something that is not a symbolic link."""
+class NotASymlinkError(CdmlfsError, OSError):
+    """readlink of something that is not a symbolic link (an OSError too, as os.readlink raises)."""
 
     errno = _errno.EINVAL
 

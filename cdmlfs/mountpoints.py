@@ -6,6 +6,7 @@ import errno
 import os
 import shutil
 import subprocess
+import threading
 import time
 
 from cdmlfs.errors import UsageError
@@ -124,31 +125,58 @@ def unmount(path: str, timeout: float = 10.0, lazy: bool = True) -> None:
     # Wait for this mount to go, not for the path to be no mount point at all: a cdmlfs mount
     # stacked on a bind mount or tmpfs leaves that one there, and must not take it down too.
     mount_id = (entry["id"], entry["mountpoint"]) if entry is not None else None
-    attempts = [[tool, "-u", target] for tool in ("fusermount3", "fusermount") if shutil.which(tool)]
-    if os.geteuid() == 0 and shutil.which("umount"):
-        attempts.append(["umount", target])
+    tools = [tool for tool in ("fusermount3", "fusermount") if shutil.which(tool)]
+    attempts = [[tool, "-u", target] for tool in tools]
     # Busy (a process has a file open or its cwd inside): detach now, free when the last user leaves.
-    detach = [[tool, "-uz", target] for tool in ("fusermount3", "fusermount") if shutil.which(tool)]
-    if os.geteuid() == 0 and shutil.which("umount"):
+    detach = [[tool, "-uz", target] for tool in tools]
+    if not tools and os.geteuid() == 0 and shutil.which("umount"):
+        # Only without fusermount: util-linux umount asks the file system for statfs first, which
+        # waits forever on a daemon that is stuck.
+        attempts.append(["umount", target])
         detach.append(["umount", "-l", target])
-    if not lazy and not _is_dead(target):
-        detach = []
-    errors = []
-    for cmd in attempts + detach:
-        if _gone(target, mount_id):  # an earlier attempt did it after all, late
-            return
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode == 0 and _wait_unmounted(target, mount_id, timeout):
-            return
-        errors.append((res.stderr or res.stdout).strip())
+    errors: list[str] = []
+
+    def done(cmds: list[list[str]]) -> bool:
+        for cmd in cmds:
+            if _gone(target, mount_id):  # an earlier attempt did it after all, late
+                return True
+            try:
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                errors.append(f"{cmd[0]} did not finish in {COMMAND_TIMEOUT:.0f} s (is the daemon stuck?)")
+                continue
+            if res.returncode == 0 and _wait_unmounted(target, mount_id, timeout):
+                return True
+            errors.append((res.stderr or res.stdout).strip())
+        return False
+
+    if done(attempts):
+        return
+    # A plain unmount needs nothing of the daemon; asking it whether it is dead does: only now,
+    # and never waiting on one that is stuck (that one is busy, not dead: --lazy is the way).
+    if (lazy or _dead_within(target, DEAD_PROBE_SECONDS)) and done(detach):
+        return
     detail = next((e for e in errors if e), "unknown error")
-    if not detach and "busy" in detail.lower():
+    if not lazy and "busy" in detail.lower():
         raise UsageError(
             f"{path}: busy (a process has a file open or its working directory in it; 'fuser -vm {path}' "
             f"lists them): close them, or 'cdmlfs umount --lazy {path}' detaches it now and its daemon "
             "exits when the last one is done"
         )
     raise UsageError(f"{path}: could not unmount: {detail}")
+
+
+DEAD_PROBE_SECONDS = 2.0
+COMMAND_TIMEOUT = 30.0
+
+
+def _dead_within(path: str, seconds: float) -> bool:
+    """``_is_dead``, but a daemon that does not answer in time counts as alive (and stuck)."""
+    answer: list[bool] = []
+    probe = threading.Thread(target=lambda: answer.append(_is_dead(path)), daemon=True)
+    probe.start()
+    probe.join(seconds)
+    return bool(answer and answer[0])
 
 
 def _gone(path: str, mount_id: tuple[str, str] | None) -> bool:

@@ -621,8 +621,13 @@ def pack(
                 opened_fd = os.open(src, os.O_RDONLY)
             except OSError as exc:
                 raise UsageError(f"{src}: cannot read it ({exc.strerror})") from None
-            pipe = tar_stream.Pipe(opened_fd)
-            stream = pipe.kind()
+            try:
+                pipe = tar_stream.Pipe(opened_fd, src)
+                stream = pipe.kind()
+            except BaseException:  # nothing reads it in the background yet: safe to close
+                os.close(opened_fd)
+                opened_fd = None
+                raise
             where = src
         else:
             remote = "://" in src  # an archive URI (s3://...): opened like any archive

@@ -289,7 +289,8 @@ class Pipe:
 
     HEAD = th.BLOCK
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, name: str = "standard input") -> None:
+        self.name = name
         # The descriptor itself, not sys.stdin.buffer: a read blocked on a stalled pipe in the
         # read-ahead thread held that buffer's lock, and Python aborted at exit when a failed or
         # interrupted pack left it there (rc 134 instead of 1 or 143).
@@ -330,7 +331,7 @@ class Pipe:
     def kind(self) -> str:
         """What the stream is: a compressor's name, or "tar"; UsageError for what cannot stream."""
         if not self.head:
-            raise UsageError("standard input is empty: pipe a tar (or .tar.gz, .tar.zst, ...) into it")
+            raise UsageError(f"{self.name} is empty: pipe a tar (or .tar.gz, .tar.zst, ...) into it")
         if th.looks_like_tar(self.head):  # first, as for files: a tar member may be named "BZh..."
             return "tar"
         if self.head.startswith(b"PK\x03\x04"):
@@ -339,7 +340,7 @@ class Pipe:
             return "zstd"
         kind = compressed_kind(self.head)
         if kind is not None and kind not in PACKABLE:
-            raise UsageError(f"standard input is {kind}-compressed: decompress it into the pipe first")
+            raise UsageError(f"{self.name} is {kind}-compressed: decompress it into the pipe first")
         return kind or "tar"
 
 

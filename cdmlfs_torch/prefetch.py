@@ -61,6 +61,18 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return batch
 
 
+def _tensors_in(batch: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a nested batch, read only (no container is rebuilt)."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, (tuple, list)):
+        for b in batch:
+            yield from _tensors_in(b)
+    elif isinstance(batch, Mapping):
+        for b in batch.values():
+            yield from _tensors_in(b)
+
+
 class GPUPrefetchLoader:
     """Wraps a loader: batches arrive on ``device``, uint8 images normalised, copies overlapped.
 
@@ -176,13 +188,11 @@ class GPUPrefetchLoader:
         """
         if self._images_seen:
             return
-        leaves: list[torch.Tensor] = []
-        map_tensors(batch, leaves.append)
-        if any(self.is_image(t) for t in leaves):
-            self._images_seen = True
-            return
-        if any(t.is_floating_point() and t.dim() == 4 for t in leaves):
-            self._images_seen = True  # said once
+        self._images_seen = True  # the first batch tells: its layout is every batch's
+        leaves = list(_tensors_in(batch))
+        if not any(self.is_image(t) for t in leaves) and any(
+            t.is_floating_point() and t.dim() == 4 for t in leaves
+        ):
             warnings.warn(
                 "GPUPrefetchLoader: mean/std were given, but the batches hold float images, which are "
                 "passed through unchanged (only uint8 N,C,H,W images are normalised): end the transform "
@@ -264,6 +274,8 @@ class _Ahead:
             return
         try:
             self._queue.append((True, self._start(host)))
+        except StopIteration as exc:  # raised from next(), it would end the pass: an error instead
+            self._queue.append((False, RuntimeError(f"a batch's conversion raised StopIteration: {exc}")))
         except Exception as exc:
             self._queue.append((False, exc))
 
@@ -273,6 +285,8 @@ class _Ahead:
             self._filled = True
             for _ in range(self._depth):
                 self._fill_one()
+        while not self._queue and not self._exhausted:  # a fill cut short (Ctrl-C) is made up for
+            self._fill_one()
         if not self._queue:
             raise StopIteration
         ok, item = self._queue.popleft()
@@ -301,10 +315,11 @@ class _CudaPrefetchIterator:
         owner = self._owner
         owner._check_images(host)
         device = owner.device
+        consumer = torch.cuda.current_stream(device)  # before the context makes the side stream current
         with torch.cuda.stream(self._stream):
             # Work queued on the consumer's stream so far may produce this batch (tensors already
             # on the GPU, decoded there): the side stream must not read them before it is done.
-            self._stream.wait_stream(torch.cuda.current_stream(device))
+            self._stream.wait_stream(consumer)
             dev = map_tensors(host, lambda t: owner._convert(t, device))
             ready = torch.cuda.Event()
             ready.record(self._stream)

@@ -234,12 +234,19 @@ def test_links_resolve_where_they_are_and_a_slash_asks_for_a_directory(tmp_path:
     os.symlink("sub/deeper", src / "deep")
     os.symlink("../b.txt", src / "sub/deeper/x")
     os.symlink("../../sub", src / "sub/deeper/back")
+    os.symlink("deep", src / "d1")  # a link to a link to a folder
+    os.symlink("b.txt", src / "sub/l")
     with tarfile.open(tmp_path / "l.tar", "w") as tf:
         tf.add(src, arcname=".")
     with cdmlfs.open(tmp_path / "l.tar", index_dir=str(tmp_path / "idx")) as ar:
         for path in ("deep/x", "sub/deeper/x", "deep/back/deeper/x", "deep/back/b.txt"):
             assert ar.read(path) == (src / path).read_bytes(), path
         assert not ar.exists("b.txt/") and not ar.isfile("b.txt/") and ar.isdir("deep/")
+        # Parent links are followed; the last component only when asked (lstat, readlink).
+        assert ar.readlink("d1/back/l") == os.readlink(src / "d1/back/l") == "b.txt"
+        assert ar.stat("d1/back/l", follow_symlinks=False).is_symlink
+        with pytest.raises(OSError):  # as os.readlink: EINVAL, an OSError too
+            ar.readlink("b.txt")
         assert ar.listdir("deep/") == sorted(os.listdir(src / "deep"))
         with pytest.raises(NotADirectoryError_):
             ar.read("b.txt/")

@@ -7,6 +7,7 @@ import logging
 import os
 import struct
 import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -715,6 +716,23 @@ def test_a_tar_cut_between_members_is_served_but_never_silently(
     caplog.clear()
     with caplog.at_level(logging.WARNING), Archive(str(tmp_path / "t.tar"), index_dir=str(tmp_path)) as a:
         assert a.open_warnings == [] and caplog.text == ""  # a whole tar: nothing to say
+
+
+def test_open_time_warnings_still_reach_stderr_without_logging_set_up(tmp_path: Path) -> None:
+    """Archive.open_warnings keeps them; a script that set up no logging still sees them printed
+    (Python's last-resort handler), as before they were kept."""
+    whole = _tarfile_archive(tmp_path / "t.tar", tarfile.USTAR_FORMAT, lambda tf: _add(tf, "a", b"a"))
+    data = whole.read_bytes()
+    (tmp_path / "cut.tar").write_bytes(data[:1024])  # header and data of "a", no end blocks
+    code = (
+        "import cdmlfs, sys; a = cdmlfs.open(sys.argv[1], index_dir=sys.argv[2]);"
+        "print(len(a.open_warnings)); a.close()"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "cut.tar"), str(tmp_path / "idx")], capture_output=True
+    )
+    assert res.returncode == 0 and res.stdout.decode().strip() == "1", res
+    assert res.stderr.decode().count("end-of-archive blocks") == 1, res.stderr
 
 
 def test_an_index_dir_that_is_a_file_is_one_clear_error(tmp_path: Path) -> None:

@@ -245,6 +245,25 @@ def test_the_cuda_prefetch_order_keeps_a_failed_batch_in_its_place(depth: int) -
         return batch
 
     assert _skipping_bad_batches(Pass(start)) == [[0, 1], [2, 3], "ERR", [6, 7], "ERR", [10, 11]]
+
+    def stops(batch: torch.Tensor) -> torch.Tensor:  # from next(), it would end the epoch early
+        if int(batch[0, 0, 0, 0]) == 8:
+            raise StopIteration
+        return batch
+
+    assert _skipping_bad_batches(Pass(stops)) == [[0, 1], [2, 3], "ERR", [6, 7], "ERR", [10, 11]]
+
+    def interrupted_once(batch: torch.Tensor, calls=[0]) -> torch.Tensor:  # noqa: B006 - a counter
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyboardInterrupt  # Ctrl-C in the first fill: that batch is gone, the rest is not
+        return batch
+
+    ahead = _Ahead(iter(DataLoader(BadAt(12, 5), batch_size=2)), depth, interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        ahead.next()
+    rest = _skipping_bad_batches(iter(ahead.next, None))
+    assert rest == expected[1:] and len(rest) == 5
     cpu = GPUPrefetchLoader(DataLoader(BadAt(12, 5), batch_size=2), device="cpu", is_image=lambda t: False)
     assert _skipping_bad_batches(cpu) == expected  # the CPU pass-through agrees
 

@@ -18,7 +18,17 @@ from pathlib import Path
 
 import pytest
 from archives import flip_byte_in_member, infozip, python_zip, sample_files, text_bytes, write_tree
-from mountutil import alive, daemon_pid, is_mounted, mount_stats, mounted, run_cli, tree, unzip
+from mountutil import (
+    alive,
+    daemon_pid,
+    force_unmount,
+    is_mounted,
+    mount_stats,
+    mounted,
+    run_cli,
+    tree,
+    unzip,
+)
 
 pytestmark = pytest.mark.fuse
 
@@ -343,6 +353,45 @@ def test_remount_after_a_lazy_unmount_is_not_blocked(tmp_path: Path, mnt: Path) 
             time.sleep(0.02)
         else:
             os.kill(first, signal.SIGKILL)
+
+
+def test_umount_never_waits_on_a_stuck_daemon(tmp_path: Path, mnt: Path) -> None:
+    """A daemon that does not answer (stopped here; deadlocked or blocked on S3 in real life): a
+    plain umount still answers at once, busy or not, and --lazy detaches a busy one."""
+    good = python_zip(tmp_path / "good.zip", sample_files())
+    for busy in (False, True):
+        pid_file = tmp_path / f"{busy}.pid"
+        run_cli("mount", str(good), str(mnt), "--pid-file", str(pid_file), check=True)
+        pid = int(pid_file.read_text().split()[0])
+        # Held by another process: ours forks for the CLI, and each fork closing an inherited copy
+        # would send the stopped daemon a FLUSH and wait for it forever.
+        holder = None
+        if busy:
+            hold = 'exec 3< "$1"; echo held; exec sleep 600'
+            holder = subprocess.Popen(["bash", "-c", hold, "-", mnt / "readme.txt"], stdout=subprocess.PIPE)
+            assert holder.stdout.readline() == b"held\n"
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            res = run_cli("umount", str(mnt), timeout=60)
+            assert time.monotonic() - started < 30
+            if busy:
+                err = res.stderr.decode()
+                assert res.returncode != 0 and "busy" in err and "--lazy" in err, err
+                res = run_cli("umount", "--lazy", str(mnt), timeout=60)
+            assert res.returncode == 0 and not is_mounted(mnt), res.stderr
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            if holder is not None:
+                holder.kill()
+                holder.wait(timeout=30)
+            force_unmount(mnt)
+            for _ in range(250):
+                if not alive(pid):
+                    break
+                time.sleep(0.02)
+            else:
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_mount_interrupted_after_the_fork_leaves_nothing(tmp_path: Path, mnt: Path) -> None:
