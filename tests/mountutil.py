@@ -96,12 +96,17 @@ def mounted(
     finally:
         force_unmount(mountpoint)
         if pid is not None:
-            for _ in range(250):
-                if not alive(pid):
-                    break
-                time.sleep(0.02)
-            else:
-                _kill(pid)
+            await_exit(pid)
+
+
+def await_exit(pid: int, seconds: float = 5.0) -> None:
+    """Give a daemon that was told to go ``seconds`` to exit, then kill it (only ours are passed)."""
+    deadline = time.monotonic() + seconds
+    while alive(pid):
+        if time.monotonic() > deadline:
+            _kill(pid)
+            return
+        time.sleep(0.02)
 
 
 def mount_stats(mountpoint: Path) -> dict:

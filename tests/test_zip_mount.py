@@ -20,6 +20,7 @@ import pytest
 from archives import flip_byte_in_member, infozip, python_zip, sample_files, text_bytes, write_tree
 from mountutil import (
     alive,
+    await_exit,
     daemon_pid,
     force_unmount,
     is_mounted,
@@ -347,12 +348,7 @@ def test_remount_after_a_lazy_unmount_is_not_blocked(tmp_path: Path, mnt: Path) 
             assert sorted(os.listdir(mnt))
     finally:
         holder.close()
-        for _ in range(250):
-            if not alive(first):
-                break
-            time.sleep(0.02)
-        else:
-            os.kill(first, signal.SIGKILL)
+        await_exit(first)
 
 
 def test_umount_never_waits_on_a_stuck_daemon(tmp_path: Path, mnt: Path) -> None:
@@ -386,12 +382,7 @@ def test_umount_never_waits_on_a_stuck_daemon(tmp_path: Path, mnt: Path) -> None
                 holder.kill()
                 holder.wait(timeout=30)
             force_unmount(mnt)
-            for _ in range(250):
-                if not alive(pid):
-                    break
-                time.sleep(0.02)
-            else:
-                os.kill(pid, signal.SIGKILL)
+            await_exit(pid)
 
 
 def test_mount_interrupted_after_the_fork_leaves_nothing(tmp_path: Path, mnt: Path) -> None:
