@@ -315,11 +315,14 @@ class _CudaPrefetchIterator:
         owner = self._owner
         owner._check_images(host)
         device = owner.device
+        # Tensors already on the GPU (decoded there) may still be being written by work queued on
+        # the consumer's stream: the side stream must not read them before it is done. Host
+        # tensors need no such wait, which would hold their copy behind the running step.
+        on_gpu = any(t.is_cuda for t in _tensors_in(host))
         consumer = torch.cuda.current_stream(device)  # before the context makes the side stream current
         with torch.cuda.stream(self._stream):
-            # Work queued on the consumer's stream so far may produce this batch (tensors already
-            # on the GPU, decoded there): the side stream must not read them before it is done.
-            self._stream.wait_stream(consumer)
+            if on_gpu:
+                self._stream.wait_stream(consumer)
             dev = map_tensors(host, lambda t: owner._convert(t, device))
             ready = torch.cuda.Event()
             ready.record(self._stream)
