@@ -247,8 +247,8 @@ class Archive:
         asked = path
         path = _member_path(path)
         index = self.index
-        if path and _ends_with_slash(asked):  # "name/" must be a directory (a link to one), as for os
-            follow = True
+        want_dir = bool(path) and _ends_with_slash(asked)  # "name/": a directory or a link to one (os)
+        follow = follow or want_dir
         while True:
             eid = index.get(path)
             if eid is None:
@@ -262,7 +262,7 @@ class Archive:
             # Relative to the folder the link really is in: reached through another link, the path
             # asked for names a different folder (and its target would be another file).
             path = self._join_link(index.paths[eid], target)
-        if path and _ends_with_slash(asked) and index.kind[eid] != DIR:
+        if want_dir and index.kind[eid] != DIR:
             raise NotADirectoryError_(f"{os.fsdecode(asked)}: not a directory")
         return eid
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 from cdmlfs import __version__, fuseloop, sizes
-from cdmlfs.errors import CdmlfsError, LinkLoopError, NotADirectoryError_, NotFoundError, UsageError
+from cdmlfs.errors import CdmlfsError, LinkLoopError, NotFoundError, UsageError
 
 log = logging.getLogger("cdmlfs")
 
@@ -238,8 +238,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
         except (NotFoundError, LinkLoopError):  # dangling or looping: listed, as GNU ls does
             st = archive.stat(args.path, follow_symlinks=False)
         if not st.is_dir:
-            if args.path.endswith("/"):  # "file.txt/": a directory was asked for, as ls says
-                raise NotADirectoryError_(f"{args.path}: not a directory")
             rows = [archive.stat(args.path, follow_symlinks=False)]
             prefix = ""
         elif args.recursive:
@@ -317,11 +315,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
     def report(member: str, exc: Exception) -> None:  # then on to the next entry, as tar -x goes on
         failed.append(member)
-        if isinstance(exc, OSError):
-            name = exc.filename2 or exc.filename  # os.replace(partial, final): the final name
-            why = f"{exc.strerror or exc}{': ' + str(name) if name else ''}"
-        else:
-            why = getattr(exc, "reason", None) or str(exc)
+        why = _os_error_text(exc) if isinstance(exc, OSError) else getattr(exc, "reason", None) or str(exc)
         print(f"cdmlfs: {member}: {why}", file=sys.stderr)
 
     with archive:
@@ -696,10 +690,14 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         if args.verbose:
             log.exception("failed")
-        # os.replace(tmp, out) names both: the second is the one the user asked for.
-        name = exc.filename2 or exc.filename
-        print(f"cdmlfs: {exc.strerror or exc}{': ' + str(name) if name else ''}", file=sys.stderr)
+        print(f"cdmlfs: {_os_error_text(exc)}", file=sys.stderr)
         return 1
+
+
+def _os_error_text(exc: OSError) -> str:
+    """ "Is a directory: out/x" — os.replace(tmp, out) names both: the second is the one asked for."""
+    name = exc.filename2 or exc.filename
+    return f"{exc.strerror or exc}{': ' + str(name) if name else ''}"
 
 
 if __name__ == "__main__":

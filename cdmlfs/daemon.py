@@ -291,15 +291,11 @@ def claim_mountpoint(mountpoint: str, notice_after: float = 1.0) -> int | None:
 
 def check_log_file(log_file: str, default: bool) -> None:
     """Fail before forking (one line) when the daemon could not write its log there."""
-    parent = os.path.dirname(os.path.abspath(log_file))
     if default:
         with contextlib.suppress(OSError):
-            os.makedirs(parent, exist_ok=True)
-    if os.path.isdir(log_file):
-        raise UsageError(f"--log-file {log_file}: is a directory")
+            os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
     what = f"daemon log {log_file} (set --log-file)" if default else f"--log-file {log_file}"
-    if not os.path.isdir(parent):
-        raise UsageError(f"{what}: no such directory {parent}")
+    _check_file_to_write(log_file, what)
     try:
         with open(log_file, "a"):
             pass
@@ -308,14 +304,22 @@ def check_log_file(log_file: str, default: bool) -> None:
 
 
 def check_pid_file(pid_file: str) -> None:
-    """Fail before mounting (one line) when the pid file could not be written once the mount is up."""
-    parent = os.path.dirname(os.path.abspath(pid_file))
-    if os.path.isdir(pid_file):
-        raise UsageError(f"--pid-file {pid_file}: is a directory")
-    if not os.path.isdir(parent):
-        raise UsageError(f"--pid-file {pid_file}: no such directory {parent}")
+    """Fail before mounting (one line) when the pid file could not be written once the mount is up.
+    Nothing is created: a mount that fails must leave no pid file."""
+    what = f"--pid-file {pid_file}"
+    parent = _check_file_to_write(pid_file, what)
     if not os.access(pid_file if os.path.exists(pid_file) else parent, os.W_OK):
-        raise UsageError(f"--pid-file {pid_file}: cannot write it (permission denied)")
+        raise UsageError(f"{what}: cannot write it (permission denied)")
+
+
+def _check_file_to_write(path: str, what: str) -> str:
+    """Not a directory, in one that exists (returned); ``what`` names it in the one-line error."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{what}: is a directory")
+    if not os.path.isdir(parent):
+        raise UsageError(f"{what}: no such directory {parent}")
+    return parent
 
 
 def mount_daemon(archive: Archive, opts: ServeOptions, log_file: str, verbose: bool) -> int:

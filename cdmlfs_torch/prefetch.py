@@ -259,7 +259,6 @@ class _Ahead:
         self._start = start
         self._queue: deque[tuple[bool, Any]] = deque()  # (started, item) or (False, error)
         self._exhausted = False
-        self._filled = False
 
     def _fill_one(self) -> None:
         if self._exhausted:
@@ -281,11 +280,8 @@ class _Ahead:
 
     def next(self) -> Any:
         """The next started item; StopIteration at the end; an item's error in its turn."""
-        if not self._filled:
-            self._filled = True
-            for _ in range(self._depth):
-                self._fill_one()
-        while not self._queue and not self._exhausted:  # a fill cut short (Ctrl-C) is made up for
+        # Up to `depth` in flight: the first call fills, and a fill cut short (Ctrl-C) is made up for.
+        while len(self._queue) < self._depth and not self._exhausted:
             self._fill_one()
         if not self._queue:
             raise StopIteration

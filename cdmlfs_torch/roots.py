@@ -36,7 +36,7 @@ import io
 import os
 import posixpath
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from cdmlfs.errors import ArchiveFormatError, CdmlfsError, NotFoundError, UsageError
@@ -83,19 +83,18 @@ def split_sample_path(path: str) -> tuple[str, str] | None:
     """
     if SEP not in path:
         return None
-    open_now = handles.open_locations()
+    split = _split_at_first(path, handles.open_locations().__contains__)
+    if split is not None or os.path.exists(path):
+        return split
+    return _split_at_first(path, lambda location: is_uri(location) or os.path.isfile(location))
+
+
+def _split_at_first(path: str, accept: Callable[[str], bool]) -> tuple[str, str] | None:
+    """(LOCATION, INNER) at the first ``::`` whose left side ``accept`` takes, or None."""
     start = 0
     while (at := path.find(SEP, start)) >= 0:
-        if path[:at] in open_now:
+        if accept(path[:at]):
             return path[:at], path[at + len(SEP) :].strip("/")
-        start = at + 1
-    if os.path.exists(path):
-        return None
-    start = 0
-    while (at := path.find(SEP, start)) >= 0:
-        location = path[:at]
-        if is_uri(location) or os.path.isfile(location):
-            return location, path[at + len(SEP) :].strip("/")
         start = at + 1
     return None
 

@@ -326,10 +326,11 @@ class ZstdStream:
         if big and cache is not None and len(self.frames) > 1 and max(big) <= PACK_FRAME_MAX:
             # Already cut in frames of the size cdmlfs pack writes: converting would change nothing;
             # a cache that holds a few of them would (a decode may take up to a quarter of it).
+            mib = -(-max(big) >> 20)  # rounded up
             log.warning(
                 "%s: zstd frames of up to %d MiB do not fit this cache (%s): random reads will decode "
                 "from the start of their frame; a cache of %d MiB or more reads them whole",
-                self.label, -(-max(big) >> 20), human_bytes(cache.limit), 4 * -(-max(big) >> 20),
+                self.label, mib, human_bytes(cache.limit), 4 * mib,
             )  # fmt: skip
         elif big:
             log.warning(
