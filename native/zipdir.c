@@ -455,7 +455,9 @@ plain_run(PyObject *self, PyObject *args)
             Py_ssize_t blen;
             while (next_extra(extra, xlen, &xp, &hid, &body, &blen)) {
                 if (hid == 0x5455 && blen >= 5 && (body[0] & 1)) {
-                    ext = (double)(int32_t)le32(body + 1);
+                    /* zip.py ext_timestamp: unsigned, unless the DOS date is before 2038. */
+                    uint32_t v = le32(body + 1);
+                    ext = (v >> 31) && ((ddate >> 9) & 0x7F) + 1980 < 2038 ? (double)v - 4294967296.0 : (double)v;
                     have_ext = 1;
                 }
                 else if (hid == 0x000A) {

@@ -95,6 +95,12 @@ def _ext_time(seconds: int, flags: int = 1) -> bytes:
     return struct.pack("<HH", 0x5455, len(body)) + body
 
 
+def _ext_time_u(seconds: int) -> bytes:
+    """The field as Info-ZIP writes it: 32 bits unsigned (past 2038 too)."""
+    body = struct.pack("<BI", 1, seconds)
+    return struct.pack("<HH", 0x5455, len(body)) + body
+
+
 def _ntfs(filetime: int, tag: int = 1) -> bytes:
     attr = struct.pack("<HHQQQ", tag, 24, filetime, filetime, filetime)
     body = b"\0\0\0\0" + attr
@@ -157,6 +163,9 @@ CRAFTED = {
         _m("ext", extra=_ext_time(1_234_567_890)),
         _m("ext-noflag", extra=_ext_time(1_234_567_890, flags=2)),
         _m("ext-negative", extra=_ext_time(-5)),
+        _m("ext-2040", extra=_ext_time_u(2_208_988_800), fields={"date": 60 << 9 | 1 << 5 | 1}),
+        _m("ext-1960", extra=_ext_time(-305_000_000), fields={"date": 0 << 9 | 1 << 5 | 1}),
+        _m("ext-2106-dos-2107", extra=_ext_time_u(2**32 - 1), fields={"date": 0xFFFF}),
         _m("ext-short", extra=struct.pack("<HH", 0x5455, 3) + b"\x01\x02\x03"),
         _m("ext-4", extra=struct.pack("<HH", 0x5455, 4) + b"\x01\x02\x03\x04" + _ext_time(1)[:3]),
         _m("ntfs", extra=_ntfs(132_000_000_000_000_000)),
@@ -273,6 +282,23 @@ def test_crafted_records_parse_the_same(case, native_run, monkeypatch, caplog):
     data = craft.build_zip(CRAFTED[case], comment=b"c")
     result = _assert_same(data, monkeypatch, caplog, case)
     assert isinstance(result, dict), result  # every case is an archive that opens
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_extended_timestamps_past_2038_and_before_1970(native, monkeypatch, caplog):
+    """Info-ZIP writes the extended timestamp unsigned (2040 read as 1903 before); a negative one
+    is before 1970 when the DOS date says the time is before 2038, as unzip decides it."""
+    if native and zipfmt.PLAIN_RUN is None:
+        pytest.skip("cdmlfs._zipdir is not built")
+    data = craft.build_zip([m for m in CRAFTED["times"] if m.name.startswith(b"ext")])
+    snapshot = _parse(data, native, monkeypatch, caplog)[0]
+    assert isinstance(snapshot, dict), snapshot
+    mtimes = dict(zip(snapshot["paths"], snapshot["mtime"]))
+    assert mtimes["ext-2040"] == 2_208_988_800  # 2040-01-01 UTC
+    assert mtimes["ext-1960"] == -305_000_000
+    assert mtimes["ext-negative"] == -5
+    assert mtimes["ext-2106-dos-2107"] == 2**32 - 1
+    assert mtimes["ext"] == 1_234_567_890
 
 
 def test_prefixed_archive_and_zip64_records(native_run, monkeypatch, caplog):
