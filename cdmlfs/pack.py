@@ -46,6 +46,7 @@ import errno
 import logging
 import math
 import os
+import secrets
 import stat as statmod
 import struct
 import sys
@@ -56,7 +57,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 import zstandard
 
@@ -107,8 +108,9 @@ class _FileChunks:
     """The bytes of a file listed with ``size`` and (device, inode) ``ident``: call it for them.
 
     Its header is already written when it is read, so a file that changed since
-    it was listed keeps that size (zeros where it has no bytes), with a warning,
-    and ``changed`` names it (the pack then exits 1, as GNU tar does). It is opened
+    it was listed keeps that size (zeros where it has no bytes; a file that grew
+    is cut there), with a warning, and ``changed`` names it (the pack then exits
+    1, as GNU tar does); so does one whose ctime moved while it was read. It is opened
     without following links and without blocking: a file replaced by a symlink
     would otherwise put the link target's bytes (any file on the machine) in the
     archive, and one replaced by a FIFO would hang the pack.
@@ -158,8 +160,21 @@ class _FileChunks:
                     yield from self._lost(left, "shrank while being packed")
                     return
                 left -= len(data)
+                if not left:  # checked before the last chunk goes: the writer stops asking after it
+                    self._check_unchanged(f, st)
                 yield data
-        # A file that grew keeps the size its header announced (like GNU tar).
+
+    def _check_unchanged(self, f, before: os.stat_result) -> None:
+        """Its header is written: a file that grew keeps the size it announced, and one written to
+        while it was read may mix old and new bytes. GNU tar says "file changed as we read it" (its
+        ctime moved) and exits 1: so does this."""
+        after = os.fstat(f.fileno())
+        if after.st_size > self.size or f.read(1):
+            log.warning("%s: grew while being packed: packed its first %d bytes", self.path, self.size)
+            self.changed.append(self.path)
+        elif after.st_ctime_ns != before.st_ctime_ns:
+            log.warning("%s: changed while being packed (file changed as we read it)", self.path)
+            self.changed.append(self.path)
 
 
 def _sorted_entries(path: str) -> Iterator[os.DirEntry]:
@@ -492,8 +507,11 @@ def _zip_info(entry: PackEntry, level: int) -> zipfile.ZipInfo:
     type_bits = {DIR: statmod.S_IFDIR, SYMLINK: statmod.S_IFLNK}.get(entry.kind, statmod.S_IFREG)
     info.external_attr = ((type_bits | (entry.mode & 0o7777)) << 16) | (0x10 if entry.kind == DIR else 0)
     mtime = math.floor(entry.mtime)
-    if -(2**31) <= mtime < 2**31:  # extended timestamp: exact mtime (unzip and cdmlfs read it)
-        info.extra = struct.pack("<HHBi", 0x5455, 5, 1, mtime)
+    # Extended timestamp: the exact mtime, which unzip, libarchive and cdmlfs read as unsigned (so
+    # past 2038 too). A time before 1970 gets none: readers disagree on negative ones (libarchive
+    # took 1960 for 2096), and all agree on the DOS date (1980-01-01).
+    if 0 <= mtime < 2**32:
+        info.extra = struct.pack("<HHBI", 0x5455, 5, 1, mtime)
     ext = entry.name.rpartition(".")[2].lower() if "." in entry.name.rpartition("/")[2] else ""
     if entry.kind not in (FILE, HARDLINK) or ext in STORED_EXTENSIONS or entry.size == 0:
         info.compress_type = zipfile.ZIP_STORED
@@ -506,7 +524,7 @@ def _zip_info(entry: PackEntry, level: int) -> zipfile.ZipInfo:
 def write_zip(entries: list[PackEntry], f, level: int, progress: Progress | None, total: int) -> None:
     for entry in entries:
         try:
-            entry.name.encode("utf-8")
+            encoded = entry.name.encode("utf-8")
         except UnicodeEncodeError:
             # A Linux file name is any bytes; a ZIP name is UTF-8 (or cp437, which every reader would
             # show as other characters). tar keeps bytes as they are.
@@ -519,6 +537,11 @@ def write_zip(entries: list[PackEntry], f, level: int, progress: Progress | None
             raise UsageError(
                 f"{entry.name}: a backslash in a ZIP name reads back as a folder separator; "
                 "rename it, or pack to .tar.zst"
+            )
+        if len(encoded) + (entry.kind == DIR) > 0xFFFF:  # a 16-bit field holds the length
+            raise UsageError(
+                f"{entry.name[:60]}...: a path of {len(encoded):,} bytes; a ZIP name holds at most "
+                "65,535: pack to .tar.zst"
             )
     done = 0
     last_report = 0.0
@@ -563,13 +586,43 @@ def output_kind(path: str) -> str:
     raise UsageError(f"{path}: output must end in .tar.zst, .tzst, .tar or .zip")
 
 
+def _replaced_entry(out: str) -> str:
+    """The directory entry that writing ``out`` replaces: its directory resolved, its own name not.
+
+    ``os.replace`` swaps the name itself in: an ``out`` that is a symlink is replaced, and the
+    file it points to is left alone (so that file is still packed, not skipped as the output)."""
+    out = os.path.abspath(out)
+    return os.path.join(os.path.realpath(os.path.dirname(out)), os.path.basename(out))
+
+
 def _inside(src: str, out: str) -> str:
-    """``out``'s path relative to the directory ``src`` when it lies inside it, else ''."""
+    """The path, relative to the directory ``src``, of the entry writing ``out`` replaces, when it lies
+    inside ``src``; else ''."""
     real_src = os.path.realpath(src)
-    real_out = os.path.realpath(out)
-    if real_out == real_src or not is_under(real_src, real_out):
+    replaced = _replaced_entry(out)
+    if replaced == real_src or not is_under(real_src, replaced):
         return ""
-    return os.path.relpath(real_out, real_src)
+    return os.path.relpath(replaced, real_src)
+
+
+def _create_partial(out: str) -> tuple[BinaryIO, str]:
+    """A new temporary file beside ``out`` (its hidden ``.partial`` name), open for writing.
+
+    Created exclusively and never through a link (``O_EXCL | O_NOFOLLOW``): a name that can be guessed
+    in a shared directory must not let a planted symlink redirect the archive onto another file. The
+    mode is the usual new-file mode (0o666 less the umask), as ``open(out, "wb")`` would give."""
+    directory, name = os.path.split(os.path.abspath(out))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(100):
+        tmp = os.path.join(directory, f".{name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            fd = os.open(tmp, flags, 0o666)
+        except FileExistsError:
+            continue
+        except OSError as exc:  # name what the user asked for, not our temporary file
+            raise UsageError(f"{out}: cannot write it ({exc.strerror})") from None
+        return os.fdopen(fd, "wb"), tmp
+    raise UsageError(f"{out}: cannot write it (no free temporary name beside it)")
 
 
 def pack(
@@ -758,14 +811,9 @@ def _pack(
             archive = Archive(src, cache_size=256 << 20, **archive_options)
             entries = listed = entries_from_archive(archive)
             total = sum(e.size for e in listed if e.kind == FILE)
-        directory = os.path.dirname(os.path.abspath(out))
-        tmp = os.path.join(directory, f".{os.path.basename(out)}.partial-{os.getpid()}")
         started = time.monotonic()
+        f, tmp = _create_partial(out)
         try:
-            try:
-                f = open(tmp, "wb")  # noqa: SIM115 - closed by the with below
-            except OSError as exc:  # name what the user asked for, not our temporary file
-                raise UsageError(f"{out}: cannot write it ({exc.strerror})") from None
             with f:
                 if kind == "zip":
                     write_zip(entries, f, DEFAULT_DEFLATE_LEVEL if level is None else level, progress, total)

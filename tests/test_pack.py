@@ -817,3 +817,147 @@ def test_a_non_blocking_standard_input_is_waited_for(src: Path, tmp_path: Path) 
         rc = proc.wait(timeout=60)
     assert rc == 0, proc.stderr.read().decode()  # type: ignore[union-attr]
     _same_tree(tree(extract(out, tmp_path / "x")), tree(src))
+
+
+def test_an_output_that_is_a_symlink_is_replaced_and_its_target_still_packed(tmp_path: Path) -> None:
+    """``pack SRC SRC/link.tar.zst --force`` with link.tar.zst -> real.tar.zst: the link is what gets
+    replaced, so the file it points to is a source file like any other. It used to be left out as
+    "the output" (resolved through the link), silently."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes(b"a")
+    (src / "real.tar.zst").write_bytes(b"important")
+    (src / "link.tar.zst").symlink_to("real.tar.zst")
+    cdmlfs_pack(src, src / "link.tar.zst", "--force")
+    assert not (src / "link.tar.zst").is_symlink() and (src / "real.tar.zst").read_bytes() == b"important"
+    with Archive(str(src / "link.tar.zst"), index_dir=str(tmp_path / "idx")) as ar:
+        assert sorted(ar.files()) == ["a", "real.tar.zst"]  # the link itself, replaced, is not packed
+
+
+def test_a_symlink_planted_at_the_temporary_name_is_never_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hidden partial file beside OUT is created exclusively and without following links: a
+    symlink under the name it would take (guessable: it was .OUT.partial-PID) used to have its
+    target truncated and overwritten with the archive."""
+    from cdmlfs import pack as packmod
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes(b"a" * 100)
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious")
+    tokens = iter(["guessed", "fresh"])
+    monkeypatch.setattr(packmod.secrets, "token_hex", lambda n: next(tokens))
+    out = tmp_path / "o.tar.zst"
+    (tmp_path / f".o.tar.zst.partial-{os.getpid()}-guessed").symlink_to(victim)
+    packmod.pack(str(src), str(out))
+    assert victim.read_bytes() == b"precious"
+    assert out.is_file() and not out.is_symlink()
+    assert extract(out, tmp_path / "x").joinpath("a").read_bytes() == b"a" * 100
+    assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@pytest.mark.parametrize("how", ["grew", "rewritten"])
+def test_a_file_written_while_packed_is_reported_as_changed(
+    how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GNU tar: "file changed as we read it", exit 1. A file that grew was cut to its listed size
+    without a word (and exit 0); one rewritten in place as it was read was not noticed either."""
+    from cdmlfs import pack as packmod
+
+    src = tmp_path / "src"
+    src.mkdir()
+    log = src / "log"
+    log.write_bytes(b"a" * 1000)
+    changed: list[str] = []
+    (entry,) = packmod.entries_from_directory(str(src), changed=changed)
+    if how == "grew":
+        with open(log, "ab") as f:
+            f.write(b"b" * 5000)
+    else:
+        real_fstat = os.fstat
+        calls = []
+
+        def fstat_then_write(fd: int) -> os.stat_result:  # the file is rewritten between its reads
+            calls.append(fd)
+            if len(calls) == 2:
+                os.utime(log, ns=(0, 0))  # moves its ctime, as a write does
+            return real_fstat(fd)
+
+        monkeypatch.setattr(packmod.os, "fstat", fstat_then_write)
+    data = b"".join(entry.read())
+    assert data == b"a" * 1000 and changed == [str(log)]
+
+
+def test_zip_output_times_past_2038_and_before_1970(tmp_path: Path) -> None:
+    """The extended timestamp is written unsigned (as Info-ZIP does, and unzip and libarchive read it),
+    and left out before 1970, where readers disagreed (libarchive read 1960 as 2096): the DOS date
+    (1980-01-01) is then what every reader shows."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, when in (("f2040", 2_208_988_800), ("f1960", -305_000_000), ("now", 1_700_000_000)):
+        (src / name).write_bytes(name.encode())
+        os.utime(src / name, (when, when))
+    out = cdmlfs_pack(src, tmp_path / "o.zip")
+    with zipfile.ZipFile(out) as zf:
+        extra = {i.filename: i.extra for i in zf.infolist()}
+    assert extra["f1960"] == b""
+    assert extra["f2040"] == b"UT\x05\x00\x01" + (2_208_988_800).to_bytes(4, "little")
+    with Archive(str(out)) as ar:
+        assert ar.stat("f2040").mtime == 2_208_988_800
+        assert ar.stat("now").mtime == 1_700_000_000
+        assert abs(ar.stat("f1960").mtime - 315_532_800) <= 86_400  # the DOS date: 1980-01-01, local
+
+
+def test_a_stream_pack_drops_hard_links_to_members_it_does_not_copy(tmp_path: Path) -> None:
+    """A hard link to a FIFO (which pack does not copy) was kept, naming a member not in the output:
+    tar -x of the output failed ("Cannot hard link"). The stream path now follows the mount's rule,
+    as the archive path did: such a link is skipped, with a warning."""
+    import gzip
+    import io
+    import tarfile
+
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.GNU_FORMAT) as t:
+        for name, typ, link in (("ff", tarfile.FIFOTYPE, ""), ("hl_ff", tarfile.LNKTYPE, "ff")):
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = typ, link
+            t.addfile(info)
+        info = tarfile.TarInfo("ok")
+        info.size = 3
+        t.addfile(info, io.BytesIO(b"ok\n"))
+        info = tarfile.TarInfo("hl_ok")
+        info.type, info.linkname = tarfile.LNKTYPE, "ok"
+        t.addfile(info)
+    (tmp_path / "s.tar.gz").write_bytes(gzip.compress(raw.getvalue()))
+    res = run_cli("pack", "-q", str(tmp_path / "s.tar.gz"), str(tmp_path / "o.tar.zst"))
+    err = res.stderr.decode()
+    assert res.returncode == 0, err
+    assert "skipping hard link 'hl_ff'" in err and "1 device/FIFO" in err
+    x = extract(tmp_path / "o.tar.zst", tmp_path / "x")
+    assert sorted(p.name for p in x.iterdir()) == ["hl_ok", "ok"]
+    assert (x / "hl_ok").stat().st_ino == (x / "ok").stat().st_ino
+
+
+def test_a_path_too_long_for_a_zip_name_is_one_line(tmp_path: Path) -> None:
+    """A tar may hold a 65,536-byte path (each component within 255 bytes): a ZIP name cannot. It was
+    a struct.error traceback from zipfile; now a one-line error, and no output."""
+    import io
+    import tarfile
+
+    name = "/".join(["d" * 200] * 330) + "/f"
+    with tarfile.open(tmp_path / "long.tar", "w", format=tarfile.PAX_FORMAT) as t:
+        info = tarfile.TarInfo(name)
+        info.size = 1
+        t.addfile(info, io.BytesIO(b"x"))
+    res = run_cli("pack", "-q", str(tmp_path / "long.tar"), str(tmp_path / "o.zip"))
+    err = res.stderr.decode().strip()
+    assert res.returncode == 2 and "65,535" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o.zip").exists() and not [p for p in tmp_path.iterdir() if "partial" in p.name]

@@ -316,7 +316,10 @@ class TarRecords:
                 )
                 yield (FILE, name, h.mode, mtime, size, data_off, "", None)
         if stats.devices:
-            log.info("skipped %d device/FIFO members (not exposed by the mount)", stats.devices)
+            log.warning(
+                "skipped %d device/FIFO members (a mount does not show them, pack does not copy them)",
+                stats.devices,
+            )
         self.end = pos
 
 
