@@ -172,6 +172,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         check_log_file,
         check_pid_file,
         claim_mountpoint,
+        inherited_fds,
         log_path_for,
         mount_daemon,
         serve,
@@ -179,6 +180,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     from cdmlfs.mountpoints import check_mountpoint
     from cdmlfs.sizes import human_bytes
 
+    inherited = inherited_fds()  # before cdmlfs opens anything: what the daemon must not keep
     fuse_options = parse_fuse_options(args.options or [])
     nonempty = bool(fuse_options.pop("nonempty", False))
     if args.cache_size < (16 << 20):
@@ -216,7 +218,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if args.foreground:
         serve(archive, opts)
         return 0
-    return mount_daemon(archive, opts, log_file, args.verbose)
+    return mount_daemon(archive, opts, log_file, args.verbose, close_fds=inherited)
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
@@ -416,6 +418,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+STATS_TIMEOUT = 10.0  # seconds cdmlfs stats waits for the daemon's answer
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     """Live counters of a mount, asked of its root (an ioctl, see cdmlfs.statsio)."""
     import json
@@ -429,10 +434,15 @@ def cmd_stats(args: argparse.Namespace) -> int:
             raise UsageError(f"{args.mountpoint}: no such directory")
         raise UsageError(f"{args.mountpoint}: not a cdmlfs mount")
     try:
-        stats = statsio.read(args.mountpoint)
+        stats = statsio.read(entry["mountpoint"], timeout=STATS_TIMEOUT)
     except OSError as exc:
         hint = ""
-        if exc.errno == errno.ENOTCONN:
+        if isinstance(exc, TimeoutError):
+            hint = (
+                " (its daemon is busy with a long request, or stopped: if it stays so, 'cdmlfs umount "
+                f"--lazy {args.mountpoint}' detaches the mount)"
+            )
+        elif exc.errno == errno.ENOTCONN:
             hint = f" (its daemon is gone: 'cdmlfs umount {args.mountpoint}' clears it; the log says why)"
         elif exc.errno == errno.ENOTTY:
             hint = " (its daemon does not answer this request: an older cdmlfs? remount to update it)"

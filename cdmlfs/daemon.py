@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from cdmlfs import fastpath, fuseloop
@@ -322,11 +323,36 @@ def _check_file_to_write(path: str, what: str) -> str:
     return parent
 
 
-def mount_daemon(archive: Archive, opts: ServeOptions, log_file: str, verbose: bool) -> int:
+def inherited_fds() -> list[int]:
+    """The descriptors above 2 open now: call it before cdmlfs opens anything of its own.
+
+    The daemon closes them. It outlives the command that started it, and a descriptor its caller
+    passed down (a CI step's status pipe, bats' fd 3, ``{ cdmlfs mount ...; } 3>&1 | cat``) held
+    open by the daemon kept that caller waiting for an end of file until the unmount."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        fd = int(name)
+        if fd > 2:
+            try:
+                os.fstat(fd)
+            except OSError:  # the listing's own descriptor, closed by now
+                continue
+            out.append(fd)
+    return out
+
+
+def mount_daemon(
+    archive: Archive, opts: ServeOptions, log_file: str, verbose: bool, close_fds: Iterable[int] = ()
+) -> int:
     """Fork a daemon that serves ``archive``; return an exit code once the mount answers (or fails).
 
     Interrupted while waiting (Ctrl-C, SIGTERM), or timed out, it stops the
     daemon and removes the mount: a command that did not succeed leaves nothing.
+    ``close_fds``: descriptors the caller was given (see :func:`inherited_fds`), closed in the daemon.
     """
     log_start = os.path.getsize(log_file) if os.path.exists(log_file) else 0
     rfd, wfd = os.pipe()
@@ -344,6 +370,9 @@ def mount_daemon(archive: Archive, opts: ServeOptions, log_file: str, verbose: b
                 signal.signal(sig, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
             _redirect_stdio(log_file)
+            for fd in close_fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
             _configure_daemon_logging(verbose)
             serve(archive, opts, ready_fd=wfd)
             code = 0
@@ -471,9 +500,11 @@ def _last_log_line(path: str, start: int) -> str:
             lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
     except OSError:
         return ""
-    # libfuse's own complaints ("fuse: unknown option(s): ...") say what to fix; our error line
-    # after them only says that libfuse failed, so it is the fallback.
-    complaints = list(dict.fromkeys(ln for ln in lines if "fuse:" in ln and "ERROR" not in ln))
+    # libfuse's own complaints ("fuse: unknown option(s): ...") and those of fusermount, which mounts
+    # for a user who is not root ("fusermount3: option allow_other only allowed if ...") say what to
+    # fix; our error line after them only says that libfuse failed, so it is the fallback.
+    said = ("fuse:", "fusermount:", "fusermount3:")
+    complaints = list(dict.fromkeys(ln for ln in lines if any(w in ln for w in said) and "ERROR" not in ln))
     if complaints:
         return "; ".join(complaints)
     for ln in reversed(lines):

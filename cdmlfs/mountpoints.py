@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import subprocess
 import threading
 import time
@@ -48,14 +49,37 @@ def _mounts() -> list[dict[str, str]]:
     return out
 
 
+def _resolved_above(path: str) -> str:
+    """``path`` absolute, the directories above it resolved (realpath), its own name kept as it is.
+
+    Found without touching what may be mounted at ``path`` itself: a stat of a mount point is
+    answered by its daemon, and one that is stuck (stopped, deadlocked) never answers once the
+    kernel's cached attributes expire (an hour), so umount and stats would hang with it."""
+    path = os.path.abspath(path)
+    parent, name = os.path.split(path)
+    return os.path.join(os.path.realpath(parent), name) if name else path
+
+
 def mount_entry(path: str) -> dict[str, str] | None:
-    """The mountinfo entry whose mount point is ``path`` (last one wins), or None."""
-    target = os.path.realpath(path) if os.path.exists(path) or _is_dead(path) else os.path.abspath(path)
-    found = None
-    for entry in _mounts():
-        if entry["mountpoint"] == target:
-            found = entry
-    return found
+    """The mountinfo entry whose mount point is ``path`` (last one wins), or None.
+
+    A symlink to a mount point names that mount (its target is read only once mountinfo says the
+    link itself is no mount point: reading a link never asks a daemon anything)."""
+    mounts = _mounts()
+    target = _resolved_above(path)
+    for _ in range(40):  # the kernel's limit on links followed in one path
+        found = None
+        for entry in mounts:
+            if entry["mountpoint"] == target:
+                found = entry
+        if found is not None:
+            return found
+        try:
+            link = os.readlink(target)
+        except OSError:  # not a link (EINVAL), missing, or inside a dead mount
+            return None
+        target = _resolved_above(os.path.join(os.path.dirname(target), link))
+    return None
 
 
 def _is_dead(path: str) -> bool:
@@ -73,17 +97,24 @@ def is_mounted(path: str) -> bool:
 
 def check_mountpoint(path: str, allow_nonempty: bool = False) -> str:
     """Validate a mount point before doing any work; returns its absolute path."""
-    if _is_dead(path):
-        raise UsageError(f"{path}: a dead mount is still attached here; run 'cdmlfs umount {path}' first")
-    if not os.path.exists(path):
-        raise UsageError(f"{path}: mount point does not exist")
-    if not os.path.isdir(path):
+    entry = mount_entry(path)
+    # A bind mount or container volume is a fine place to mount on; another FUSE mount is not. Found
+    # in mountinfo first: a FUSE mount whose daemon is stuck would never answer a stat.
+    if entry is not None and entry["fstype"].startswith("fuse"):
+        if _dead_within(path, DEAD_PROBE_SECONDS):
+            raise UsageError(f"{path}: a dead mount is still attached here; run 'cdmlfs umount {path}' first")
+        raise UsageError(f"{path}: already mounted ({entry['source']}); unmount it first")
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise UsageError(f"{path}: inside a dead mount; 'cdmlfs umount' the one above it first") from None
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise UsageError(f"{path}: mount point does not exist") from None
+        raise UsageError(f"{path}: cannot reach the mount point ({exc.strerror})") from None
+    if not stat.S_ISDIR(st.st_mode):
         raise UsageError(f"{path}: mount point is not a directory")
     real = os.path.realpath(path)
-    entry = mount_entry(real)
-    # A bind mount or container volume is a fine place to mount on; another FUSE mount is not.
-    if entry is not None and entry["fstype"].startswith("fuse"):
-        raise UsageError(f"{path}: already mounted ({entry['source']}); unmount it first")
     if not allow_nonempty:
         try:
             with os.scandir(real) as it:
@@ -107,6 +138,9 @@ def unmount(path: str, timeout: float = 10.0, lazy: bool = True) -> None:
     """
     target = os.path.abspath(path)
     entry = mount_entry(target)
+    if entry is not None:
+        # fusermount refuses a symlink (it unmounts with UMOUNT_NOFOLLOW): the mount point itself.
+        target = entry["mountpoint"]
     if entry is None and not _is_dead(target):
         if not os.path.lexists(target):
             raise UsageError(f"{path}: no such directory")
@@ -158,6 +192,12 @@ def unmount(path: str, timeout: float = 10.0, lazy: bool = True) -> None:
         return
     detail = next((e for e in errors if e), "unknown error")
     if not lazy and "busy" in detail.lower():
+        inner = [e["mountpoint"] for e in _mounts() if e["mountpoint"].startswith(target.rstrip("/") + "/")]
+        if inner:
+            raise UsageError(
+                f"{path}: busy: {inner[0]} is mounted inside it; unmount that first, or "
+                f"'cdmlfs umount --lazy {path}' detaches both now"
+            )
         raise UsageError(
             f"{path}: busy (a process has a file open or its working directory in it; 'fuser -vm {path}' "
             f"lists them): close them, or 'cdmlfs umount --lazy {path}' detaches it now and its daemon "

@@ -22,6 +22,8 @@ import errno
 import fcntl
 import json
 import os
+import threading
+import time
 from collections.abc import Callable
 
 CHUNK = 16368  # an ioctl's size field has 14 bits: at most 16383 bytes travel each way
@@ -40,8 +42,35 @@ def fill_reply(blob: bytes, number: int, buf: memoryview) -> None:
     buf[_HEADER : _HEADER + len(piece)] = piece
 
 
-def read(mountpoint: str) -> dict:
-    """Client side: the stats of the mount at ``mountpoint`` (OSError from the open or the ioctl)."""
+def read(mountpoint: str, timeout: float | None = None) -> dict:
+    """Client side: the stats of the mount at ``mountpoint`` (OSError from the open or the ioctl).
+
+    ``timeout``: TimeoutError when the daemon has not answered by then (stopped, stuck, or busy with
+    one long request: a local mount serves one at a time). The request waits in the kernel, which
+    only SIGKILL interrupts, so it is made on a thread of its own that is left behind."""
+    if timeout is None:
+        return _read(mountpoint)
+    outcome: list[tuple[bool, object]] = []
+
+    def ask() -> None:
+        try:
+            outcome.append((True, _read(mountpoint)))
+        except BaseException as exc:  # handed to the caller's thread
+            outcome.append((False, exc))
+
+    threading.Thread(target=ask, name="cdmlfs-stats", daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not outcome and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not outcome:
+        raise TimeoutError(errno.ETIMEDOUT, f"no answer within {timeout:g} s")
+    ok, value = outcome[0]
+    if ok:
+        return value  # type: ignore[return-value]
+    raise value  # type: ignore[misc]
+
+
+def _read(mountpoint: str) -> dict:
     fd = os.open(mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         return gather(lambda buf: fcntl.ioctl(fd, REQUEST, buf, True))

@@ -23,6 +23,8 @@
 #   CDMLFS_NO_SIGN_REQUEST --no-sign-request when 1/true/yes/on
 #   CDMLFS_INDEX_DIR       --index-dir
 #   CDMLFS_VERBOSE         --verbose when 1/true/yes/on
+#   CDMLFS_PID_FILE        where the daemon's pid is written for the healthcheck
+#                          (default /tmp/cdmlfs-sidecar.pid)
 #   CDMLFS_BIN             the cdmlfs executable (default: cdmlfs on PATH)
 #   AWS_*                  read by boto3 itself (credentials, AWS_REGION, AWS_ENDPOINT_URL)
 #
@@ -115,6 +117,9 @@ trap forward TERM INT HUP
 log "running: $(printf '%q ' "$BIN" "${args[@]}")"
 "$BIN" "${args[@]}" &
 child=$!
+# The healthcheck tells a busy daemon from a hung one by the CPU this pid uses.
+PIDFILE=${CDMLFS_PID_FILE:-/tmp/cdmlfs-sidecar.pid}
+echo "$child" >"$PIDFILE" 2>/dev/null || log "cannot write $PIDFILE: the healthcheck cannot tell busy from hung"
 # A signal that arrived before $child was known.
 [ "$stopping" = 1 ] && kill -TERM "$child" 2>/dev/null
 
@@ -134,6 +139,7 @@ while :; do
   break
 done
 trap - TERM INT HUP
+rm -f -- "$PIDFILE" "$PIDFILE.busy" 2>/dev/null
 
 if is_dead "$MNT"; then
   log "cdmlfs exited (status $rc) leaving a dead mount on $MNT; clearing it"

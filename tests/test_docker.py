@@ -149,6 +149,7 @@ class Topology:
         self.share = tmp / "share"
         self.share.mkdir()
         self.mnt = self.share / mount_name
+        self.pid_file = tmp / "sidecar.pid"  # where the entrypoint leaves the daemon's pid
         self._holders: list[subprocess.Popen] = []
         self._sidecars: list[Sidecar] = []
         self._extra: list[subprocess.Popen] = []
@@ -200,6 +201,7 @@ class Topology:
             "CDMLFS_BIN": str(CDMLFS_BIN),
             "CDMLFS_SOURCE": str(source),
             "CDMLFS_MOUNTPOINT": str(self.mnt),
+            "CDMLFS_PID_FILE": str(self.pid_file),
             **env,
         }
         with open(log, "wb") as out:
@@ -215,7 +217,8 @@ class Topology:
         return sidecar
 
     def healthcheck(self, pid: int, **env: str) -> subprocess.CompletedProcess:
-        return self.ns(pid, "bash", HEALTHCHECK, self.mnt, env={**os.environ, **env})
+        env = {**os.environ, "CDMLFS_PID_FILE": str(self.pid_file), **env}
+        return self.ns(pid, "bash", HEALTHCHECK, self.mnt, env=env)
 
     def wait_healthy(self, sidecar: Sidecar, timeout: float = 60.0) -> None:
         def healthy() -> bool:
@@ -402,6 +405,34 @@ def test_hung_daemon_is_unhealthy_within_the_timeout(topo: Topology, archive) ->
     sidecar.proc.send_signal(signal.SIGTERM)
     assert sidecar.wait() == 0, sidecar.output()
     assert topo.fuse_mounts(topo.host) == []
+
+
+@needs_namespaces
+def test_a_daemon_busy_with_one_long_request_is_not_called_hung(topo: Topology, tmp_path: Path) -> None:
+    """A local mount serves one request at a time, and the first read of a big bzip2 member (or a
+    multi-GB deflated one) decodes for seconds: a statfs behind it waits past the limit. The probe
+    called that hung, and a liveness probe killed the sidecar mid-training. A daemon that works
+    meanwhile passes as busy (a stopped one still fails, the test above); the pid comes from the
+    entrypoint."""
+    words = [f"w{i}x{i * 7919 % 1000}" for i in range(20000)]
+    block = " ".join(words[(i * 31) % 20000] for i in range(2_000_000)).encode()
+    path = tmp_path / "big.zip"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_BZIP2, compresslevel=1) as zf:
+        zf.writestr("big.txt", block * 3)  # about 60 MB: 2 s or more of bzip2 decoding here
+        zf.writestr("small.txt", b"s")
+    sidecar = topo.start_sidecar(path)
+    topo.wait_healthy(sidecar)
+    assert int(topo.pid_file.read_text()) == sidecar.daemon_pid()
+    reader = topo.spawn_in(topo.trainer, "sh", "-c", f'tail -c 1 "{topo.mnt}/big.txt" >/dev/null')
+    time.sleep(0.3)  # its read is being served: one request decodes the member
+    res = topo.healthcheck(topo.host, CDMLFS_HEALTH_TIMEOUT="1")
+    assert res.returncode == 0 and "busy" in res.stdout, res.stdout + res.stderr
+    assert reader.wait(120) == 0
+    res = topo.healthcheck(topo.host, CDMLFS_HEALTH_TIMEOUT="1")
+    assert res.returncode == 0 and "healthy" in res.stdout, res.stdout + res.stderr
+    sidecar.proc.send_signal(signal.SIGTERM)
+    assert sidecar.wait() == 0
+    assert not topo.pid_file.exists()
 
 
 # -- settings from the environment ------------------------------------------------------------

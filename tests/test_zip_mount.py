@@ -7,6 +7,7 @@ import gzip
 import multiprocessing
 import os
 import random
+import select
 import shutil
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 from archives import flip_byte_in_member, infozip, python_zip, sample_files, text_bytes, write_tree
 from mountutil import (
+    CDMLFS,
     alive,
     await_exit,
     daemon_pid,
@@ -383,6 +385,80 @@ def test_umount_never_waits_on_a_stuck_daemon(tmp_path: Path, mnt: Path) -> None
                 holder.wait(timeout=30)
             force_unmount(mnt)
             await_exit(pid)
+
+
+SHORT_TIMEOUTS = (
+    "import sys; from cdmlfs import cli, fuse_ops; fuse_ops.TIMEOUT = 0.5; sys.exit(cli.main(sys.argv[1:]))"
+)
+
+
+def test_umount_and_stats_of_a_stuck_daemon_once_its_attributes_expired(tmp_path: Path, mnt: Path) -> None:
+    """Past the kernel's attribute timeout (an hour; half a second here), any stat of the mount point
+    asks the daemon: umount (even --lazy) stat-ed it first and hung for ever on a stopped daemon, and
+    stats waited in its ioctl with Ctrl-C ignored. The mount point is now found in mountinfo without
+    touching it (through a symlink too, which fusermount refused), and stats gives up in 10 s."""
+    good = python_zip(tmp_path / "good.zip", sample_files())
+    pid_file = tmp_path / "d.pid"
+    subprocess.run(
+        [sys.executable, "-c", SHORT_TIMEOUTS, "mount", str(good), str(mnt), "--pid-file", str(pid_file)],
+        check=True,
+        timeout=60,
+    )
+    pid = int(pid_file.read_text().split()[0])
+    link = tmp_path / "link"
+    link.symlink_to(mnt)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(1.0)
+        started = time.monotonic()
+        res = run_cli("stats", str(link), timeout=60)
+        err = res.stderr.decode()
+        assert res.returncode == 1 and "no answer within" in err and err.count("\n") == 1, err
+        assert time.monotonic() - started < 20
+        started = time.monotonic()
+        res = run_cli("umount", str(link), timeout=60)
+        assert res.returncode == 0 and not is_mounted(mnt), res.stderr.decode()
+        assert time.monotonic() - started < 30
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        force_unmount(mnt)
+        await_exit(pid)
+
+
+def test_the_daemon_keeps_no_descriptor_of_its_caller(tmp_path: Path, mnt: Path) -> None:
+    """``{ cdmlfs mount a.zip m; } 3>&1 | cat`` never ended: the daemon held the pipe on fd 3 (a CI
+    step's status pipe, bats' output) until the unmount. It closes what its caller passed down."""
+    good = python_zip(tmp_path / "good.zip", sample_files())
+    rfd, wfd = os.pipe()
+    try:
+        proc = subprocess.run(
+            [*CDMLFS, "mount", str(good), str(mnt)], pass_fds=(wfd,), capture_output=True, timeout=60
+        )
+        assert proc.returncode == 0, proc.stderr.decode()
+        os.close(wfd)
+        wfd = -1
+        ready, _, _ = select.select([rfd], [], [], 10)
+        assert ready and os.read(rfd, 1) == b"", "the daemon still holds the caller's pipe"
+    finally:
+        if wfd >= 0:
+            os.close(wfd)
+        os.close(rfd)
+        run_cli("umount", str(mnt))
+
+
+def test_umount_of_a_mount_with_another_inside_names_it(tmp_path: Path, mnt: Path) -> None:
+    """Busy because another mount sits inside it: the message pointed at open files ('fuser -vm'),
+    which list nothing. It names the inner mount."""
+    outer = python_zip(tmp_path / "outer.zip", {"sub/keep.txt": b"k", "top.txt": b"t"})
+    inner = python_zip(tmp_path / "inner.zip", {"x.txt": b"x"})
+    with mounted(outer, mnt):
+        run_cli("mount", str(inner), str(mnt / "sub"), "-o", "nonempty", check=True)
+        try:
+            res = run_cli("umount", str(mnt))
+            err = res.stderr.decode()
+            assert res.returncode == 2 and f"{mnt}/sub is mounted inside it" in err, err
+        finally:
+            run_cli("umount", str(mnt / "sub"), check=True)
 
 
 def test_mount_interrupted_after_the_fork_leaves_nothing(tmp_path: Path, mnt: Path) -> None:
@@ -772,3 +848,20 @@ def test_nonempty_option_default_log_path_and_the_pure_python_paths(tmp_path: Pa
     finally:
         run_cli("umount", str(over))
     assert (over / "hidden.txt").read_text() == "under the mount"
+
+
+def test_a_failed_mount_reports_what_fusermount_said(tmp_path: Path) -> None:
+    """Mounting as a user who is not root goes through fusermount, whose reasons ("option allow_other
+    only allowed if 'user_allow_other' is set in /etc/fuse.conf") were left in the log: the command
+    said only that libfuse failed."""
+    from cdmlfs.daemon import _last_log_line
+
+    log = tmp_path / "d.log"
+    log.write_text(
+        "old line\n"
+        "fusermount3: option allow_other only allowed if 'user_allow_other' is set in /etc/fuse.conf\n"
+        "2026-12-01 ERROR cdmlfs.daemon[7]: daemon failed: CdmlfsError: libfuse could not mount\n"
+    )
+    assert _last_log_line(str(log), len("old line\n")) == (
+        "fusermount3: option allow_other only allowed if 'user_allow_other' is set in /etc/fuse.conf"
+    )
