@@ -412,10 +412,35 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         polling, why = fuseloop.availability(fuse_major)
         print(f"FUSE loop: {'cdmlfs polling loop' if polling else 'libfuse'} ({why})")
     print(f"CPU idle: {fuseloop.cpu_idle()}")
-    print(f"/dev/fuse: {'present' if os.path.exists('/dev/fuse') else 'missing'}")
+    print(f"/dev/fuse: {_dev_fuse_state()}")
     for tool in ("fusermount3", "fusermount"):
         print(f"{tool}: {shutil.which(tool) or 'not found'}")
+    print(f"allow_other for users: {_user_allow_other()}")
     return 0
+
+
+def _dev_fuse_state(path: str = "/dev/fuse") -> str:
+    """Present is not enough: a user who cannot open it gets libfuse's "Permission denied" at mount."""
+    if not os.path.exists(path):
+        return "missing (load the fuse module, or run the container with --device /dev/fuse)"
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_CLOEXEC))
+    except OSError as exc:
+        return f"present but not usable by this user ({exc.strerror}; as root: chmod 0666 {path})"
+    return "present, usable"
+
+
+def _user_allow_other(conf: str = "/etc/fuse.conf", euid: int | None = None) -> str:
+    """Whether users other than root may mount with -o allow_other (a trainer running as another user
+    then reads the mount), as fusermount decides it."""
+    try:
+        with open(conf) as f:
+            on = any(line.split("#", 1)[0].strip() == "user_allow_other" for line in f)
+    except OSError:
+        on = False
+    if (os.geteuid() if euid is None else euid) == 0:
+        return "root may always use it"
+    return "yes (user_allow_other is set)" if on else f"no (add user_allow_other to {conf} as root)"
 
 
 STATS_TIMEOUT = 10.0  # seconds cdmlfs stats waits for the daemon's answer

@@ -22,7 +22,9 @@ import logging
 import os
 import select
 import signal
+import stat as statmod
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable
@@ -243,8 +245,31 @@ def set_readahead(mountpoint: str, nbytes: int) -> bool:
 
 
 def _state_dir() -> str:
+    """Where daemon logs and mount locks go: ``$XDG_STATE_HOME/cdmlfs`` or ``~/.local/state/cdmlfs``.
+
+    When that cannot be made or written (a read-only or missing home; ``HOME=/`` for a container run
+    under an arbitrary uid), a private folder in the temporary directory (``/tmp/cdmlfs-UID``) instead:
+    ``cdmlfs mount`` failed there, blaming a missing directory."""
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(base, "cdmlfs")
+    preferred = os.path.join(base, "cdmlfs")
+    try:
+        os.makedirs(preferred, exist_ok=True)
+        if os.access(preferred, os.W_OK | os.X_OK):
+            return preferred
+    except OSError:
+        pass
+    fallback = os.path.join(tempfile.gettempdir(), f"cdmlfs-{os.getuid()}")
+    try:
+        os.mkdir(fallback, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return preferred
+    st = os.lstat(fallback)
+    # Ours alone: another user's folder (or a link planted there) is never written into.
+    if statmod.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+        return fallback
+    return preferred  # the caller's check then says what is wrong with it
 
 
 def log_path_for(mountpoint: str) -> str:

@@ -95,7 +95,9 @@ class ArchiveOperations:
         self.uid = os.getuid()
         self.gid = os.getgid()
         self.stats = ServeStats()
-        self._logged: set[int] = set()
+        # Members whose error was logged: one byte each (a set capped at 100k entries logged every
+        # failure past that, each epoch, for a badly damaged archive); the last byte is for the rest.
+        self._logged = bytearray(self.index.entry_count + 1)
         self._log_lock = threading.Lock()
         self.ready_callback = None  # called once libfuse has mounted and initialised
         self.fast_table = None  # the C fast path's table when active (its counters feed stats)
@@ -129,9 +131,8 @@ class ArchiveOperations:
         key = eid if eid is not None else -1
         with self._log_lock:  # also keeps the error counts exact under the multithreaded loop
             self.stats.errors[kind] = self.stats.errors.get(kind, 0) + 1
-            first = key not in self._logged
-            if first and len(self._logged) < 100_000:
-                self._logged.add(key)
+            first = not self._logged[key]
+            self._logged[key] = 1
         if first:
             code = errno.errorcode.get(exc.errno, str(exc.errno))
             if isinstance(exc, MemberError):

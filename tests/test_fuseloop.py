@@ -140,3 +140,23 @@ def test_doctor_without_libfuse_claims_no_fuse_accelerator(tmp_path: Path) -> No
     ).stdout.decode()
     assert "libfuse: unavailable" in out
     assert "FUSE hot path: none" in out and "FUSE loop: none" in out
+
+
+def test_doctor_says_whether_dev_fuse_can_be_opened_and_allow_other_used(tmp_path: Path) -> None:
+    """ "/dev/fuse: present" for a device the user could not open (0600 on some hosts): the mount then
+    failed with libfuse's "Permission denied". And whether -o allow_other is allowed to users."""
+    from cdmlfs import cli
+
+    assert cli._dev_fuse_state(str(tmp_path / "none")).startswith("missing")
+    locked = tmp_path / "dir-not-a-device"
+    locked.mkdir()  # opening a directory read-write fails as a device the user may not use does
+    assert cli._dev_fuse_state(str(locked)).startswith("present but not usable")
+    assert cli._dev_fuse_state("/dev/null") == "present, usable"
+    out = run_cli("doctor", check=True).stdout.decode()
+    assert "/dev/fuse: present, usable\n" in out and "allow_other for users: " in out
+    conf = tmp_path / "fuse.conf"
+    conf.write_text("# user_allow_other\n")
+    assert cli._user_allow_other(str(conf), euid=1000).startswith("no")
+    conf.write_text("user_allow_other  # trainers run as another user\n")
+    assert cli._user_allow_other(str(conf), euid=1000).startswith("yes")
+    assert cli._user_allow_other(str(conf), euid=0) == "root may always use it"

@@ -865,3 +865,25 @@ def test_a_failed_mount_reports_what_fusermount_said(tmp_path: Path) -> None:
     assert _last_log_line(str(log), len("old line\n")) == (
         "fusermount3: option allow_other only allowed if 'user_allow_other' is set in /etc/fuse.conf"
     )
+
+
+def test_a_home_that_cannot_hold_the_log_falls_back_to_a_private_temporary_folder(
+    tmp_path: Path, mnt: Path
+) -> None:
+    """A read-only or missing home (HOME=/ for a container's arbitrary uid) failed the mount with
+    "no such directory" for the default log. The log and the lock go to /tmp/cdmlfs-UID instead."""
+    import tempfile
+
+    good = python_zip(tmp_path / "good.zip", sample_files())
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the home's folders would go")
+    env = {k: v for k, v in os.environ.items() if k != "XDG_STATE_HOME"}
+    env["HOME"] = str(blocker / "home")
+    res = run_cli("mount", str(good), str(mnt), "-v", env=env)
+    try:
+        assert res.returncode == 0, res.stderr.decode()
+        private = Path(tempfile.gettempdir()) / f"cdmlfs-{os.getuid()}"
+        assert f"log {private}/" in res.stdout.decode(), res.stdout.decode()
+        assert private.stat().st_mode & 0o777 == 0o700
+    finally:
+        run_cli("umount", str(mnt))
