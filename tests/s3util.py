@@ -174,7 +174,7 @@ def start_localbucket(root: Path) -> Endpoint:
 
 # -- fault-injecting proxy ------------------------------------------------------------------
 # drip: the whole body, 16 bytes every DRIP_PAUSE seconds (each socket read gets data in time)
-FAULTS = ("503", "500", "reset", "stall", "truncate", "short", "stall_body", "403", "drip")
+FAULTS = ("503", "500", "reset", "stall", "truncate", "short", "stall_body", "403", "drip", "drip_headers")
 DRIP_PAUSE = 0.2
 
 
@@ -211,7 +211,8 @@ class FaultProxy:
         self._chaos = 0.0
         self._chaos_kinds: tuple[str, ...] = ()
         # Standing misbehaviours of a non-compliant server, on ranged GETs: "weak_etag" (W/ ETags),
-        # "no_etag" (none on replies to non-suffix ranges), "ignore_if_match" (If-Match dropped).
+        # "no_etag" (none on replies to non-suffix ranges), "ignore_if_match" (If-Match dropped);
+        # "stall_head_prefetch": the open's optional request for the first 4 KiB stalls (once).
         self.quirks: set[str] = set()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -355,8 +356,23 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         if fault == "reset":
             self._reset()
             return
-        if fault == "stall":
+        head_prefetch = self.headers.get("Range") == "bytes=0-4095" and "stall_head_prefetch" in owner.quirks
+        if head_prefetch:
+            owner.quirks.discard("stall_head_prefetch")
+        if fault == "stall" or head_prefetch:
             time.sleep(owner.stall_seconds)
+            self._reset()
+            return
+        if fault == "drip_headers":  # a status line, then header bytes just often enough for any timeout
+            ends = time.monotonic() + owner.stall_seconds
+            try:
+                self.wfile.write(b"HTTP/1.1 206 Partial Content\r\nX-Slow: ")
+                while time.monotonic() < ends:
+                    self.wfile.write(b"a")
+                    self.wfile.flush()
+                    time.sleep(DRIP_PAUSE)
+            except OSError:
+                pass
             self._reset()
             return
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}

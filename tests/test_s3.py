@@ -25,6 +25,7 @@ from mountutil import run_cli
 
 from cdmlfs.archive import Archive
 from cdmlfs.errors import SourceChangedError, SourceError, UsageError
+from cdmlfs.sources import s3 as s3mod
 from cdmlfs.sources.local import LocalFile
 from cdmlfs.sources.retry import RetryPolicy
 from cdmlfs.sources.s3 import parse_s3_uri
@@ -401,8 +402,9 @@ def test_injected_faults_are_retried_with_zero_wrong_bytes(localbucket_s3, proxy
 
 
 def test_persistent_failure_gives_source_error_in_bounded_time_then_recovers(
-    localbucket_s3, proxy_to, tmp_path: Path
+    localbucket_s3, proxy_to, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(s3mod, "FAILED_RANGE_MEMORY", 0.0)  # each fault kind makes its own attempts
     path = _small_zip(tmp_path, "persist.zip")
     localbucket_s3.put("faults", "persist.zip", path)
     proxy = proxy_to(localbucket_s3, stall_seconds=2.0)
@@ -620,3 +622,159 @@ def test_pack_converts_a_tar_gz_on_s3_as_one_stream(localbucket_s3, proxy_to, tm
         assert len(names) == 30
         for name in names:
             assert ar.read(name) == (src / name).read_bytes(), name
+
+
+# -- bounds found by a review of the S3 layer -------------------------------------------------------
+def test_reply_headers_sent_a_byte_at_a_time_are_cut_off_at_the_deadline(
+    localbucket_s3, proxy_to, tmp_path: Path
+) -> None:
+    """The socket timeout bounds each receive, not the headers: a server sending them a byte every
+    0.2 s held an open (and any read) for ever. They are now awaited for a read timeout (retried
+    like one), never past the deadline."""
+    path = _small_zip(tmp_path, "drip.zip")
+    localbucket_s3.put("faults", "drip.zip", path)
+    proxy = proxy_to(localbucket_s3, stall_seconds=30.0)
+    policy = RetryPolicy(max_attempts=3, base_delay=0.05, max_delay=0.1, deadline=2.0)
+    proxy.inject("drip_headers", 10)
+    started = time.monotonic()
+    with pytest.raises(SourceError, match="no reply headers"):
+        Archive("s3://faults/drip.zip", endpoint_url=proxy.url, retry=policy, read_timeout=1.0)
+    assert time.monotonic() - started < 2.0 + 1.5
+    proxy.clear()
+    with Archive("s3://faults/drip.zip", endpoint_url=proxy.url, retry=policy) as remote:
+        proxy.inject("drip_headers", 1)  # one slow reply, then the retry within the deadline
+        assert len(remote.read("big/stored.bin", 0, 100)) == 100
+
+
+def test_one_stalled_request_is_retried_within_a_short_deadline(
+    localbucket_s3, proxy_to, tmp_path: Path
+) -> None:
+    """With --read-deadline 10 the read timeout is 5 s: after one stall no retry "could be over by the
+    deadline", so a single black-holed request was an EIO ("failed after 1 attempts")."""
+    path = _small_zip(tmp_path, "stall1.zip")
+    localbucket_s3.put("faults", "stall1.zip", path)
+    proxy = proxy_to(localbucket_s3, stall_seconds=5.0)
+    policy = RetryPolicy(deadline=3.0)  # read timeout capped to 1.5 s: a stall uses half the budget
+    with (
+        Archive("s3://faults/stall1.zip", endpoint_url=proxy.url, retry=policy) as remote,
+        Archive(str(path)) as local,
+    ):
+        proxy.inject("stall", 1)
+        started = time.monotonic()
+        assert remote.read("big/stored.bin", 1000, 5000) == local.read("big/stored.bin", 1000, 5000)
+        assert 1.4 < time.monotonic() - started < 3.0
+
+
+def test_a_range_that_gave_up_fails_at_once_for_a_moment(localbucket_s3, proxy_to, tmp_path: Path) -> None:
+    """The kernel asks again at once for the pages of a read that failed, and each ask had a whole
+    retry budget: a mount read took twice --read-deadline. For a second the same range fails at once
+    (same reason); then it is asked again, and works once the server does."""
+    path = _small_zip(tmp_path, "again.zip")
+    localbucket_s3.put("faults", "again.zip", path)
+    proxy = proxy_to(localbucket_s3)
+    policy = RetryPolicy(max_attempts=4, base_delay=0.05, max_delay=0.1, deadline=5.0)
+    with (
+        Archive("s3://faults/again.zip", endpoint_url=proxy.url, retry=policy) as remote,
+        Archive(str(path)) as local,
+    ):
+        proxy.inject("503", 1000)
+        with pytest.raises(SourceError, match="failed after 4 attempts"):
+            remote.read("big/stored.bin", 0, 100)
+        asked = proxy.stats.requests
+        started = time.monotonic()
+        with pytest.raises(SourceError, match="not asked again yet"):
+            remote.read("big/stored.bin", 50, 100)
+        assert time.monotonic() - started < 0.5 and proxy.stats.requests == asked
+        proxy.clear()
+        time.sleep(s3mod.FAILED_RANGE_MEMORY + 0.1)
+        assert remote.read("big/stored.bin", 0, 100) == local.read("big/stored.bin", 0, 100)
+
+
+def test_a_stalled_prefetch_of_the_first_bytes_does_not_hold_the_open(
+    localbucket_s3, proxy_to, tmp_path: Path
+) -> None:
+    """The open also asks for the object's first 4 KiB (format sniffing reads them), unpinned and
+    optional, and waited for it without limit: 20 s for one stalled request."""
+    path = _small_zip(tmp_path, "head.zip")
+    localbucket_s3.put("faults", "head.zip", path)
+    proxy = proxy_to(localbucket_s3, stall_seconds=10.0)
+    proxy.quirks.add("stall_head_prefetch")
+    started = time.monotonic()
+    with Archive("s3://faults/head.zip", endpoint_url=proxy.url) as remote:
+        assert time.monotonic() - started < s3mod.HEAD_WAIT + 2.0
+        assert "big/stored.bin" in remote.files()
+
+
+def test_close_during_a_large_read_stops_fetching(localbucket_s3, proxy_to, tmp_path: Path) -> None:
+    """Closing an archive while a 24 MiB read was under way kept downloading the rest, made a new
+    client after close, and left the fetched bytes in the closed archive's cache."""
+    import threading
+
+    big = tmp_path / "close.zip"
+    with zipfile.ZipFile(big, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("big.bin", random.Random(3).randbytes(24 * MiB))
+    localbucket_s3.put("faults", "close.zip", big)
+    proxy = proxy_to(localbucket_s3, latency=0.3)
+    remote = Archive("s3://faults/close.zip", endpoint_url=proxy.url, max_connections=2, part_size=MiB)
+    failed: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            remote.read("big.bin")
+        except BaseException as exc:
+            failed.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.5)
+    remote.close()
+    reader.join(30)
+    assert failed and "closed" in str(failed[0])
+    proxy.wait_idle(quiet=0.5)
+    asked = proxy.stats.requests
+    time.sleep(1.0)
+    assert proxy.stats.requests == asked
+    assert asked < 12  # 24 parts of 1 MiB would have been fetched; at most those under way were
+    assert remote.cache.held == 0
+
+
+def test_an_archived_object_and_a_wrong_clock_say_so(moto_s3, tmp_path: Path) -> None:
+    """A Glacier object answers 403 InvalidObjectState: it was reported as bad credentials."""
+    path = _small_zip(tmp_path, "cold.zip")
+    client = moto_s3.client()
+    client.create_bucket(Bucket="cold")
+    client.put_object(Bucket="cold", Key="cold.zip", Body=path.read_bytes(), StorageClass="GLACIER")
+    res = subprocess.run(
+        [sys.executable, "-m", "cdmlfs", "ls", "s3://cold/cold.zip", "--endpoint-url", moto_s3.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    err = res.stderr.strip()
+    assert res.returncode != 0 and "archived" in err and "restore" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_malformed_aws_config_is_one_line_and_secrets_stay_out_of_debug_logs(tmp_path: Path) -> None:
+    """A broken ~/.aws/config was a 40-line traceback; with -v, the optional first-bytes request
+    logged the endpoint URL with its user:password when it failed."""
+    bad = tmp_path / "config"
+    bad.write_text("[default\nregion = us-east-1\n")
+    env = {**os.environ, "AWS_CONFIG_FILE": str(bad), "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x"}
+    cmd = [sys.executable, "-m", "cdmlfs", "ls", "s3://bkt/a.zip", "--endpoint-url", "http://127.0.0.1:9"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    err = res.stderr.strip()
+    assert res.returncode == 2 and "AWS configuration" in err and len(err.splitlines()) == 1, err
+    env.pop("AWS_CONFIG_FILE")
+    env["AWS_CONFIG_FILE"] = str(tmp_path / "none")
+    cmd = [
+        sys.executable,
+        "-m",
+        "cdmlfs",
+        "ls",
+        "-v",
+        "s3://b/a.zip",
+        "--endpoint-url",
+        "http://u:S3CRET@127.0.0.1:9",
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode != 0 and "S3CRET" not in res.stderr + res.stdout, res.stderr

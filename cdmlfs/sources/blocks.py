@@ -299,6 +299,9 @@ class BlockLayer:
                 self._remove_if_indexed(span)
             _settle(span, exc=exc)
             return
+        if self._closed:  # the cache was cleared of our spans: bytes put now would stay there
+            _settle(span, exc=SourceError(f"{self.name}: source closed during the read"))
+            return
         cached = self.cache.put(span.key, data)
         with self._lock:
             self.stats.fetches += 1
@@ -376,6 +379,9 @@ class BlockLayer:
                 with self._lock:
                     self._remove_if_indexed(span)
                 _settle(span, exc=exc)
+                return
+            if self._closed:  # as in _run_foreground: nothing enters the cache after close
+                _settle(span, exc=SourceError(f"{self.name}: source closed during the read"))
                 return
             room.commit(span.key, data)
         finally:
@@ -460,7 +466,10 @@ class BlockLayer:
         if pf is not None:
             pf.shutdown(wait=wait, cancel_futures=True)  # queued prefetches are PENDING: nobody waits
         if fg is not None:
-            fg.shutdown(wait=wait)  # readers wait on these: let every queued one run
+            # Readers wait on these: on close their spans were failed already ("source closed"), so
+            # queued ones go (a closed archive kept downloading what nobody would read); before a
+            # fork every queued one runs.
+            fg.shutdown(wait=wait, cancel_futures=self._closed)
 
     def _before_fork(self) -> None:
         # Let running requests finish: afterwards no pool thread holds our lock or the cache's.

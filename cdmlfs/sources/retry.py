@@ -36,22 +36,21 @@ class RetryPolicy:
         ceiling = min(self.max_delay, self.base_delay * (2 ** min(attempt, 30)))
         return (rng or random).uniform(0.0, ceiling)
 
-    def next_delay(
-        self, failures: int, started: float, now: float | None = None, attempt_wait: float = 0.0
-    ) -> float | None:
+    def next_delay(self, failures: int, started: float, now: float | None = None) -> float | None:
         """Seconds to sleep before the next attempt, or None when the read must give up.
 
         ``failures`` is the number of failed attempts so far (>= 1), ``started``
-        the ``time.monotonic()`` of the first attempt. ``attempt_wait`` is how long
-        an attempt may wait before anything bounds it by the deadline (connecting,
-        then the reply's headers): an attempt that could not be over by the deadline
-        is not started, so a silent server cannot stretch the read past it.
+        the ``time.monotonic()`` of the first attempt. Every wait of an attempt
+        ends by the deadline (the caller bounds reply headers and bodies by it), so
+        any attempt that can start before the deadline is made: a stall that ate
+        half the budget still leaves a retry (it used to leave none, and one
+        stalled request became an EIO with ``--read-deadline`` under 40 s).
         """
         if failures >= self.max_attempts:
             return None
         now = time.monotonic() if now is None else now
         pause = self.delay(failures - 1)
-        if now + pause + attempt_wait >= started + self.deadline:
+        if now + pause >= started + self.deadline:
             return None
         return pause
 

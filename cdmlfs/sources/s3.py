@@ -32,6 +32,8 @@ import os
 import re
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from cdmlfs import forksafe
 from cdmlfs.cache import ExtentCache
@@ -49,6 +51,11 @@ MiB = 1 << 20
 # central directory beyond it is fetched next, in parallel parts, in one more round trip.
 OPEN_SUFFIX = 128 * 1024
 HEAD_BYTES = 4096  # what format sniffing reads from the start (cdmlfs.formats.SNIFF_BYTES)
+HEAD_WAIT = 1.0  # seconds the open waits for that optional prefetch once its own reply is in
+# A range whose read gave up is failed again at once for this long: the kernel asks again, at once,
+# for the pages of a read that failed (readahead, then the page itself), and each ask got a whole new
+# budget. Short, so that a caller's own retry a moment later makes fresh attempts.
+FAILED_RANGE_MEMORY = 1.0
 PRIVATE_CACHE = 64 * MiB  # when no Archive cache is shared (a bare S3Object)
 SDK_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer")
 
@@ -87,6 +94,10 @@ _BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,254}$")
 
 class _Transient(Exception):
     """One attempt failed in a way worth retrying (the message says how)."""
+
+
+class _GaveUp(SourceError):
+    """A read whose retries ran out (of attempts or of time): see FAILED_RANGE_MEMORY."""
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
@@ -163,6 +174,8 @@ class S3Object:
         self._changed: str | None = None
         self._closed = False
         self._watchdog = WATCHDOG
+        self._callers: ThreadPoolExecutor | None = None  # where requests wait for their reply headers
+        self._failed_ranges: dict[tuple[int, int], tuple[float, str]] = {}
         self.requests = 0  # GET attempts, including retries and the opening one
         self.bytes_received = 0
         self.retries = 0
@@ -189,7 +202,7 @@ class S3Object:
         )
         if tail:
             self._blocks.seed(tail_start, tail)
-        first = head.result()
+        first = head.result(HEAD_WAIT)  # an optimisation: a slow one is not waited for
         if first is not None and first[0] == self.etag and tail_start > 0:
             self._blocks.seed(0, first[1][: min(len(first[1]), tail_start)])
         forksafe.register(self)
@@ -221,10 +234,13 @@ class S3Object:
         return self.bytes_received
 
     def close(self) -> None:
-        self._closed = True  # requests still under way stop at their next retry
+        self._closed = True  # requests still under way stop at their next attempt
         self._blocks.close()
         with self._client_lock:
             client, self._client = self._client, None
+            callers, self._callers = self._callers, None
+        if callers is not None:
+            callers.shutdown(wait=False, cancel_futures=True)
         if client is not None:
             with contextlib.suppress(Exception):  # closing sockets must never fail an unmount
                 client.close()
@@ -242,7 +258,7 @@ class S3Object:
     def _make_session(self) -> None:
         try:
             import boto3
-            from botocore.exceptions import ProfileNotFound
+            from botocore.exceptions import BotoCoreError, ProfileNotFound
         except ImportError:
             raise UsageError("S3 support needs boto3: pip install 'cdmlfs[s3]'") from None
         try:
@@ -250,6 +266,8 @@ class S3Object:
         except ProfileNotFound:
             name = self._profile or os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE")
             raise UsageError(f"AWS profile {name!r} not found") from None
+        except BotoCoreError as exc:  # a malformed ~/.aws/config or credentials file, say
+            raise UsageError(f"AWS configuration: {_redact(str(exc))}") from None
 
     def _s3(self):
         """The client (created lazily, and again in a forked child: sockets are not shared)."""
@@ -257,6 +275,8 @@ class S3Object:
         if client is not None:
             return client
         with self._client_lock:
+            if self._closed:  # a request still under way after close makes no new client (and pool)
+                raise SourceError(f"{self.location}: source is closed")
             if self._client is None:
                 from botocore import UNSIGNED
                 from botocore.config import Config
@@ -292,6 +312,8 @@ class S3Object:
     def _after_fork_child(self) -> None:
         self._client_lock = threading.Lock()
         self._client = None  # the parent's connection pool shares sockets with it
+        self._callers = None  # its threads stayed in the parent
+        self._failed_ranges = {}
 
     # -- requests ----------------------------------------------------------------
     def _open(self, suffix: int) -> tuple[int, str, int, bytes]:
@@ -299,7 +321,7 @@ class S3Object:
 
         def attempt(deadline: float):
             try:
-                resp = self._s3().get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes=-{suffix}")
+                resp = self._reply_by(deadline, Range=f"bytes=-{suffix}")
             except Exception as exc:
                 if _error_code(exc) != "InvalidRange":
                     self._classify(exc, opening=True)
@@ -348,14 +370,15 @@ class S3Object:
 
     def _head(self, n: int) -> tuple[str, bytes] | None:
         """The first ``n`` bytes and their ETag, unpinned (kept only if the ETag matches the suffix's)."""
+        deadline = time.monotonic() + self.retry.deadline
         try:
-            resp = self._s3().get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes=0-{n - 1}")
+            resp = self._reply_by(deadline, Range=f"bytes=0-{n - 1}")
             body = resp["Body"]
             try:
                 crange = resp.get("ContentRange") or ""
                 if not crange.startswith("bytes 0-"):
                     return None
-                with self._watchdog.guard(body, time.monotonic() + self.retry.deadline):
+                with self._watchdog.guard(body, deadline):
                     data = body.read()
             finally:
                 body.close()
@@ -363,7 +386,7 @@ class S3Object:
             self.bytes_received += len(data)
             return resp.get("ETag") or "", data
         except Exception as exc:  # an optimisation only: the format's own read will fetch it
-            log.debug("%s: head prefetch failed: %s", self.location, exc)
+            log.debug("%s: head prefetch failed: %s", self.location, _redact(str(exc)))
             return None
 
     def _open_empty(self) -> tuple[int, str, int, bytes]:
@@ -386,15 +409,14 @@ class S3Object:
         """One ranged GET pinned to the opening ETag, checked, retried; ``consume(body)`` reads the body."""
         if self._changed:
             raise SourceChangedError(self._changed)
+        self._fail_if_failed_lately(start, end)
         n = end - start
         expect = f"bytes {start}-{end - 1}/{self.size}"
 
         def attempt(deadline: float):
             pin = {} if self._weak else {"IfMatch": self.etag}  # If-Match never matches a weak ETag
             try:
-                resp = self._s3().get_object(
-                    Bucket=self.bucket, Key=self.key, Range=f"bytes={start}-{end - 1}", **pin
-                )
+                resp = self._reply_by(deadline, Range=f"bytes={start}-{end - 1}", **pin)
             except Exception as exc:
                 self._classify(exc, opening=False)
                 raise
@@ -423,7 +445,49 @@ class S3Object:
             finally:
                 body.close()
 
-        return self._with_retries(attempt, f"GET bytes={start}-{end - 1}")
+        try:
+            return self._with_retries(attempt, f"GET bytes={start}-{end - 1}")
+        except _GaveUp as exc:
+            if not self._closed:
+                self._failed_ranges[(start, end)] = (time.monotonic(), str(exc))
+            raise
+
+    def _fail_if_failed_lately(self, start: int, end: int) -> None:
+        """A read of a range that gave up within FAILED_RANGE_MEMORY seconds fails at once, with the
+        same reason: the kernel asks again for the pages of a failed read, and each ask took a whole
+        retry budget (a stalled server held a mount read twice --read-deadline)."""
+        if not self._failed_ranges:
+            return
+        now = time.monotonic()
+        for (lo, hi), (when, why) in list(self._failed_ranges.items()):
+            if now - when > FAILED_RANGE_MEMORY:
+                self._failed_ranges.pop((lo, hi), None)
+            elif lo < end and start < hi:
+                raise SourceError(f"{why} (failed {now - when:.1f} s ago: not asked again yet)")
+
+    def _reply_by(self, deadline: float, **params):
+        """``get_object`` with the reply's headers awaited for a read timeout at most (never past
+        ``deadline``).
+
+        The HTTP client's timeouts bound each socket read, not the headers as a whole: a server that
+        sent them a byte at a time held the read (and the FUSE request on it) for ever; the watchdog
+        bounds only bodies. So the request waits on a helper thread; headers not all in by then fail
+        the attempt like a timeout (it is retried), and a reply that comes later is closed unread.
+        """
+        deadline = min(deadline, time.monotonic() + self._timeouts[1])
+        with self._client_lock:
+            if self._closed:
+                raise SourceError(f"{self.location}: source is closed")
+            if self._callers is None:
+                self._callers = ThreadPoolExecutor(self._connections + 2, thread_name_prefix="cdmlfs-s3")
+            callers = self._callers
+        s3 = self._s3()
+        future = callers.submit(s3.get_object, Bucket=self.bucket, Key=self.key, **params)
+        try:
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            future.add_done_callback(_close_late_reply)
+            raise _Transient("no reply headers before the read's deadline") from None
 
     def _read_body(self, body, n: int | None) -> bytes:
         try:
@@ -474,6 +538,8 @@ class S3Object:
         deadline = started + policy.deadline
         failures = 0
         while True:
+            if self._closed:
+                raise SourceError(f"{self.location}: source closed during the read")
             self.requests += 1
             try:
                 return attempt(deadline)
@@ -481,9 +547,9 @@ class S3Object:
                 failures += 1
                 if self._closed:
                     raise SourceError(f"{self.location}: source closed during the read ({exc})") from None
-                # An attempt may wait a read timeout for its reply's headers (the watchdog bounds
-                # its body): start none that could not be over by the deadline.
-                pause = policy.next_delay(failures, started, attempt_wait=self._timeouts[1])
+                # Every wait of an attempt ends by the deadline (its reply's headers in _reply_by, its
+                # body through the watchdog): any retry that can start before it is worth making.
+                pause = policy.next_delay(failures, started)
                 elapsed = time.monotonic() - started
                 if pause is None:
                     # A failed open is the caller's one-line error; a failed read is logged here, each time.
@@ -492,7 +558,7 @@ class S3Object:
                         "%s: %s failed %d times in %.1f s, giving up: %s",
                         self.location, what, failures, elapsed, exc,
                     )  # fmt: skip
-                    raise SourceError(
+                    raise _GaveUp(
                         f"{self.location}: {what} failed after {failures} attempts in {elapsed:.1f} s ({exc})"
                     ) from None
                 self.retries += 1
@@ -525,6 +591,16 @@ class S3Object:
                 raise self._mark_changed("it was replaced (If-Match failed)") from None
             if not opening and (status == 416 or code == "InvalidRange"):  # ranges inside the size at open
                 raise self._mark_changed("it is now shorter (a range inside it is invalid)") from None
+            if code == "InvalidObjectState":  # GetObject on an archived object (403)
+                raise SourceError(
+                    f"{self.location}: the object is archived (Glacier or Deep Archive storage class, or an "
+                    "archive tier of Intelligent-Tiering): restore it first (aws s3api restore-object)"
+                ) from None
+            if code == "RequestTimeTooSkewed":
+                raise SourceError(
+                    f"{self.location}: this machine's clock is too far from the server's ({code}): set it "
+                    "right (NTP) and try again"
+                ) from None
             if code in ("NoSuchKey", "NoSuchBucket") or status == 404:
                 if not opening:
                     raise self._mark_changed("it was deleted") from None
@@ -573,9 +649,18 @@ class _Background:
     def _run(self, fn, *args) -> None:
         self._result = fn(*args)
 
-    def result(self):
-        self._thread.join()
-        return self._result
+    def result(self, timeout: float | None = None):
+        """Its value, or None when it raised or is not done within ``timeout`` seconds."""
+        self._thread.join(timeout)
+        return None if self._thread.is_alive() else self._result
+
+
+def _close_late_reply(future: Future) -> None:
+    """A reply that came after its read gave up: close its body (and so its connection)."""
+    if future.cancelled() or future.exception() is not None:
+        return
+    with contextlib.suppress(Exception):
+        future.result()["Body"].close()
 
 
 _USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
