@@ -93,6 +93,16 @@ def test_uri_parsing() -> None:
     assert "s3cr3t" not in str(info.value)
     with pytest.raises(UsageError, match=r"invalid bucket name 'b' in s3://b/k\.zip: 2-255 letters"):
         parse_s3_uri("s3://b/k.zip")  # says which name and the rule, without a credentials remark
+    # Access point ARNs stand for buckets, as in the AWS CLI (they were taken for credentials).
+    ap = "arn:aws:s3:us-west-2:123456789012:accesspoint/my-ap"
+    assert parse_s3_uri(f"s3://{ap}/data/train.zip") == (ap, "data/train.zip")
+    outpost = "arn:aws:s3-outposts:us-east-1:123456789012:outpost/op-01ac5d28a6a232904/accesspoint/ap1"
+    assert parse_s3_uri(f"s3://{outpost}/k.tar.zst") == (outpost, "k.tar.zst")
+    lam = "arn:aws-cn:s3-object-lambda:cn-north-1:123456789012:accesspoint/olap"
+    assert parse_s3_uri(f"s3://{lam}/a b.zip") == (lam, "a b.zip")
+    for bad in (f"s3://{ap}", f"s3://{ap}/", f"s3://{ap}/dir/"):
+        with pytest.raises(UsageError, match="an object, not a prefix"):
+            parse_s3_uri(bad)
 
 
 def test_zip_on_moto_equals_local_and_opens_with_one_request(moto_s3, proxy_to, tmp_path: Path) -> None:

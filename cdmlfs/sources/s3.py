@@ -100,9 +100,25 @@ class _GaveUp(SourceError):
     """A read whose retries ran out (of attempts or of time): see FAILED_RANGE_MEMORY."""
 
 
+# An access point ARN stands where a bucket name goes, as in the AWS CLI: its resource part ends
+# with the access point's name (Outposts: outpost/ID/accesspoint/NAME), and the key follows.
+_ACCESS_POINT_ARN = re.compile(
+    r"^(arn:[a-z-]+:s3(?:-object-lambda|-outposts)?:[a-z0-9-]*:\d{12}:"
+    r"(?:outpost/[A-Za-z0-9-]+/)?accesspoint/[A-Za-z0-9-]+)(?:/(.*))?$"
+)
+
+
 def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """``s3://bucket/key`` -> (bucket, key). The key is taken verbatim (no URL decoding), like the AWS CLI."""
+    """``s3://bucket/key`` -> (bucket, key). The key is taken verbatim (no URL decoding), like the AWS CLI.
+
+    The bucket may be an access point ARN (``s3://arn:aws:s3:REGION:ACCOUNT:accesspoint/NAME/KEY``)."""
     rest = uri[len("s3://") :] if uri[:5].lower() == "s3://" else uri
+    arn = _ACCESS_POINT_ARN.match(rest)
+    if arn:
+        bucket, key = arn.group(1), arn.group(2)
+        if not key or key.endswith("/"):
+            raise UsageError(f"{uri}: an S3 archive must be named s3://BUCKET/KEY (an object, not a prefix)")
+        return bucket, key
     bucket, sep, key = rest.partition("/")
     if not sep or not key or key.endswith("/"):
         raise UsageError(f"{uri}: an S3 archive must be named s3://BUCKET/KEY (an object, not a prefix)")
@@ -160,7 +176,9 @@ class S3Object:
             raise UsageError(f"addressing style must be auto, path or virtual, not {addressing_style!r}")
         # An explicit endpoint is almost always a non-AWS store (MinIO, Ceph, moto...): path style.
         # Otherwise None: the profile's own s3.addressing_style setting (or botocore's default) applies.
-        self._addressing = addressing_style or ("path" if endpoint_url else None)
+        # An access point ARN cannot go in a path: botocore addresses it by its own host name.
+        arn = self.bucket.startswith("arn:")
+        self._addressing = addressing_style or ("path" if endpoint_url and not arn else None)
         self._region = region
         self._profile = profile
         self._unsigned = bool(no_sign_request)
