@@ -403,6 +403,14 @@ def test_build_context_is_the_sources_only() -> None:
     assert leaked == []
 
 
+def test_builders_without_dockerfile_specific_ignore_files_get_the_same_context() -> None:
+    """The legacy builder and kaniko read only a .dockerignore at the context root: without one they
+    sent .venv (gigabytes) and build/ (stale extensions setuptools could reuse). The root file is a
+    link to docker/Dockerfile.dockerignore, so every builder reads the same rules."""
+    root_ignore = ROOT / ".dockerignore"
+    assert root_ignore.is_symlink() and root_ignore.resolve() == (DOCKER / "Dockerfile.dockerignore").resolve()
+
+
 def test_build_stage_wheels_the_package_with_native_inflate(tmp_path: Path) -> None:
     pytest.importorskip("setuptools")
     if not shutil.which("gcc"):
