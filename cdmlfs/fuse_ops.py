@@ -37,7 +37,7 @@ from types import SimpleNamespace
 from cdmlfs import fuseloop, statsio
 from cdmlfs.archive import Archive
 from cdmlfs.errors import CdmlfsError, CorruptMemberError, MemberError
-from cdmlfs.index import DIR, INCONSISTENT, SYMLINK
+from cdmlfs.index import DIR, INCONSISTENT, SPARSE, SYMLINK
 from cdmlfs.pathrules import NAME_MAX
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,10 @@ class ArchiveOperations:
             st.st_mode = (statmod.S_IFLNK if kind == SYMLINK else statmod.S_IFREG) | ix.mode[eid]
             st.st_nlink = 1 + ix.nlink_extra.get(data, 0) if ix.nlink_extra else 1
             st.st_size = size
-            st.st_blocks = (size + 511) >> 9
+            if ix.flags[data] & SPARSE:  # its data segments only: du, and cp's --sparse=auto, see holes
+                st.st_blocks = (sum(ix.sparse[data][1]) + 511) >> 9
+            else:
+                st.st_blocks = (size + 511) >> 9
         st.st_ino = data + 1
         st.st_uid = self.uid
         st.st_gid = self.gid

@@ -54,10 +54,18 @@ def _resolved_above(path: str) -> str:
 
     Found without touching what may be mounted at ``path`` itself: a stat of a mount point is
     answered by its daemon, and one that is stuck (stopped, deadlocked) never answers once the
-    kernel's cached attributes expire (an hour), so umount and stats would hang with it."""
-    path = os.path.abspath(path)
-    parent, name = os.path.split(path)
-    return os.path.join(os.path.realpath(parent), name) if name else path
+    kernel's cached attributes expire (an hour), so umount and stats would hang with it. ``..``
+    is resolved after the links before it, as the kernel does (``link/..`` is the link target's
+    parent); a path ending in ``..`` is resolved whole."""
+    path = os.fspath(path).rstrip("/") or "/"
+    if path == "/":
+        return path
+    head, name = os.path.split(path)
+    if name == ".":
+        return _resolved_above(head or ".")
+    if name == "..":
+        return os.path.realpath(path)
+    return os.path.join(os.path.realpath(head or "."), name)
 
 
 def mount_entry(path: str) -> dict[str, str] | None:
@@ -136,11 +144,9 @@ def unmount(path: str, timeout: float = 10.0, lazy: bool = True) -> None:
     Anything else mounted there (a tmpfs, a disk, a bind mount) is refused: as
     root, ``umount`` would take it down too.
     """
-    target = os.path.abspath(path)
-    entry = mount_entry(target)
-    if entry is not None:
-        # fusermount refuses a symlink (it unmounts with UMOUNT_NOFOLLOW): the mount point itself.
-        target = entry["mountpoint"]
+    entry = mount_entry(path)
+    # fusermount refuses a symlink (it unmounts with UMOUNT_NOFOLLOW): the mount point itself.
+    target = entry["mountpoint"] if entry is not None else _resolved_above(path)
     if entry is None and not _is_dead(target):
         if not os.path.lexists(target):
             raise UsageError(f"{path}: no such directory")

@@ -153,6 +153,8 @@ class _FileChunks:
             if not statmod.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != self.ident:
                 yield from self._lost(size, "replaced by another file while packing")
                 return
+            if not size:  # nothing to read, but it may have grown since it was listed
+                self._check_unchanged(f, st)
             left = size
             while left > 0:
                 data = f.read(min(READ_CHUNK, left))
@@ -440,6 +442,12 @@ class _SeekableZstdSink(_TarSink):
             self._pool.shutdown(cancel_futures=True)
 
 
+def _check_empty(entry: PackEntry) -> None:
+    """Open an empty file's source all the same: one that grew since it was listed says so."""
+    for _ in entry.read():  # type: ignore[misc]
+        break
+
+
 def write_tar(
     entries: Iterable[PackEntry], sink: _TarSink, progress: Progress | None, total: int | None
 ) -> MemberTable:
@@ -481,6 +489,8 @@ def write_tar(
                 if data_size > written:  # a source that shrank: the member reads as zeros to its size
                     crc = inflate.crc32(bytes(data_size - written), crc)
             pos += padded
+        elif entry.kind == FILE and entry.read is not None:
+            _check_empty(entry)
         if entry.kind == FILE:
             members.append(FILE, entry.name, entry.mode, mtime, data_size, data_at, crc=crc)
         if progress is not None and time.monotonic() - last_report > 0.2:
@@ -570,6 +580,8 @@ def write_zip(entries: list[PackEntry], f, level: int, progress: Progress | None
                             last_report = time.monotonic()
                 if written < entry.size:
                     w.write(bytes(entry.size - written))
+                if not entry.size and entry.read is not None:
+                    _check_empty(entry)
     if progress is not None:
         progress(done, total)
 

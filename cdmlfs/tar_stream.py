@@ -418,7 +418,8 @@ def members(raw, where: str, kind: str) -> Iterator[Member]:
         return read
 
     records = TarRecords(view)
-    files: set[str] = set()  # names that hold a file's bytes so far: what a hard link may name
+    # Names a hard link may name so far: files, symlinks and hard links to them (the index's rule).
+    linkable: set[str] = set()
     try:
         for member_kind, name, mode, mtime, size, offset, link, sparse in records:
             path = pathrules.normalize(name, backslash_is_separator=False)
@@ -427,21 +428,24 @@ def members(raw, where: str, kind: str) -> Iterator[Member]:
                     log.warning("%s: %r names the archive's root; skipped", where, name)
                 continue
             mode &= 0o777  # never setuid, setgid or sticky (as the mount shows them)
-            if member_kind == FILE:
-                files.add(path)
-                yield Member(path, FILE, mode, mtime, size, read=member_bytes(name, offset, size, sparse))
-            elif member_kind == HARDLINK:
+            if member_kind == HARDLINK:
                 target = pathrules.normalize(link, backslash_is_separator=False)
-                if target not in files:  # the mount's rule (cdmlfs.formats.tar): tar -x would fail on it
+                if target not in linkable:  # the mount's rule (cdmlfs.formats.tar): tar -x would fail on it
                     log.warning(
                         "%s: skipping hard link %r: target %r is not a file seen before it", where, name, link
                     )
-                    files.discard(path)
+                    linkable.discard(path)
                     continue
-                files.add(path)
+                linkable.add(path)
                 yield Member(path, HARDLINK, mode, mtime, link=target)
+                continue
+            if member_kind == DIR:
+                linkable.discard(path)
+            else:  # FILE, SYMLINK
+                linkable.add(path)
+            if member_kind == FILE:
+                yield Member(path, FILE, mode, mtime, size, read=member_bytes(name, offset, size, sparse))
             else:  # DIR, SYMLINK
-                files.discard(path)
                 yield Member(path, member_kind, mode, mtime, link=link)
         # A mount lists what came before a cut; a copy must not lose the rest without a word.
         if records.cut is not None:

@@ -102,6 +102,8 @@ truthy "${CDMLFS_NO_SIGN_REQUEST:-}" && args+=(--no-sign-request)
 truthy "${CDMLFS_VERBOSE:-}" && args+=(--verbose)
 args+=("$@")
 
+PIDFILE=${CDMLFS_PID_FILE:-/tmp/cdmlfs-sidecar.pid}
+rm -f -- "$PIDFILE" "$PIDFILE.busy" 2>/dev/null # a previous run's (killed with its container)
 child=""
 stopping=0
 # shellcheck disable=SC2329  # invoked by the trap below
@@ -118,8 +120,7 @@ log "running: $(printf '%q ' "$BIN" "${args[@]}")"
 "$BIN" "${args[@]}" &
 child=$!
 # The healthcheck tells a busy daemon from a hung one by the CPU this pid uses.
-PIDFILE=${CDMLFS_PID_FILE:-/tmp/cdmlfs-sidecar.pid}
-echo "$child" >"$PIDFILE" 2>/dev/null || log "cannot write $PIDFILE: the healthcheck cannot tell busy from hung"
+{ echo "$child" >"$PIDFILE"; } 2>/dev/null || log "cannot write $PIDFILE: the healthcheck cannot tell busy from hung"
 # A signal that arrived before $child was known.
 [ "$stopping" = 1 ] && kill -TERM "$child" 2>/dev/null
 

@@ -29,6 +29,14 @@ fail() {
   exit 1
 }
 
+# Numbers from the environment, checked (a typo must not turn "hung" into "busy" for ever).
+case "$LIMIT" in
+  "" | *[!0-9.]* | *.*.* | .) fail "CDMLFS_HEALTH_TIMEOUT=$LIMIT: not a number of seconds" ;;
+esac
+case "$BUSY_MAX" in
+  "" | *[!0-9]*) fail "CDMLFS_HEALTH_BUSY_MAX=$BUSY_MAX: not a whole number of seconds" ;;
+esac
+
 # "CPU-ticks STATE" of the daemon whose pid the entrypoint wrote, or nothing.
 daemon_cpu() {
   local pid="" stat
@@ -47,11 +55,14 @@ busy() {
   [ -n "$before" ] || return 1
   now=$(daemon_cpu) || return 1
   case "${now#* }" in T | t | Z | X) return 1 ;; esac # stopped or gone: not busy
-  [ $((${now% *} - ${before% *})) -ge $((LIMIT * $(getconf CLK_TCK) / 10)) ] || return 1
+  # At least a tenth of a CPU during the wait (LIMIT may have decimals: awk does the arithmetic).
+  awk -v used="$((${now% *} - ${before% *}))" -v limit="$LIMIT" -v hz="$(getconf CLK_TCK)" \
+    'BEGIN { exit !(used >= limit * hz / 10) }' || return 1
   since=$(cat -- "$PIDFILE.busy" 2>/dev/null) || since=""
+  case "$since" in "" | *[!0-9]*) since="" ;; esac
   if [ -z "$since" ]; then
     since=$(date +%s)
-    echo "$since" >"$PIDFILE.busy" 2>/dev/null
+    { echo "$since" >"$PIDFILE.busy"; } 2>/dev/null
   fi
   if [ $(($(date +%s) - since)) -gt "$BUSY_MAX" ]; then
     fail "busy without answering for over ${BUSY_MAX}s (CDMLFS_HEALTH_BUSY_MAX)"

@@ -25,8 +25,8 @@ def run_cli(*args: str, check: bool = False, timeout: float = 120, **kw) -> subp
 
 def is_mounted(path: str | os.PathLike) -> bool:
     # The parent resolved, not the mount point itself: a stat there waits on a stopped daemon.
-    parent, name = os.path.split(os.path.abspath(path))
-    target = os.path.join(os.path.realpath(parent), name)
+    parent, name = os.path.split(os.fspath(path).rstrip("/"))
+    target = os.path.join(os.path.realpath(parent or "."), name)
     with open("/proc/self/mountinfo") as f:
         return any(line.split()[4] == target for line in f)
 

@@ -174,7 +174,19 @@ def start_localbucket(root: Path) -> Endpoint:
 
 # -- fault-injecting proxy ------------------------------------------------------------------
 # drip: the whole body, 16 bytes every DRIP_PAUSE seconds (each socket read gets data in time)
-FAULTS = ("503", "500", "reset", "stall", "truncate", "short", "stall_body", "403", "drip", "drip_headers")
+FAULTS = (
+    "503",
+    "500",
+    "reset",
+    "stall",
+    "truncate",
+    "short",
+    "stall_body",
+    "403",
+    "drip",
+    "drip_headers",
+    "skew",
+)
 DRIP_PAUSE = 0.2
 
 
@@ -353,6 +365,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         if fault in ("503", "500", "403"):
             self._error(int(fault))
             return
+        if fault == "skew":  # what S3 answers a request signed with a clock far off
+            self._error(403, "RequestTimeTooSkewed")
+            return
         if fault == "reset":
             self._reset()
             return
@@ -443,8 +458,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             else:
                 self._reset()
 
-    def _error(self, status: int) -> None:
-        code = {503: "SlowDown", 500: "InternalError", 403: "AccessDenied"}[status]
+    def _error(self, status: int, code: str | None = None) -> None:
+        code = code or {503: "SlowDown", 500: "InternalError", 403: "AccessDenied"}[status]
         data = f"<?xml version='1.0'?><Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
         self.owner._count(self.command, self.headers.get("Range"), status, 0)  # before the client sees it
         self.send_response_only(status)

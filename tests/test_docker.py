@@ -424,12 +424,15 @@ def test_a_daemon_busy_with_one_long_request_is_not_called_hung(topo: Topology, 
     topo.wait_healthy(sidecar)
     assert int(topo.pid_file.read_text()) == sidecar.daemon_pid()
     reader = topo.spawn_in(topo.trainer, "sh", "-c", f'tail -c 1 "{topo.mnt}/big.txt" >/dev/null')
-    time.sleep(0.3)  # its read is being served: one request decodes the member
-    res = topo.healthcheck(topo.host, CDMLFS_HEALTH_TIMEOUT="1")
+    time.sleep(0.2)  # its read is being served: one request decodes the member (2 s or more here)
+    res = topo.healthcheck(topo.host, CDMLFS_HEALTH_TIMEOUT="0.5")  # decimals are fine
     assert res.returncode == 0 and "busy" in res.stdout, res.stdout + res.stderr
     assert reader.wait(120) == 0
-    res = topo.healthcheck(topo.host, CDMLFS_HEALTH_TIMEOUT="1")
+    res = topo.healthcheck(topo.host, CDMLFS_HEALTH_TIMEOUT="0.5")
     assert res.returncode == 0 and "healthy" in res.stdout, res.stdout + res.stderr
+    for bad in ({"CDMLFS_HEALTH_TIMEOUT": "5s"}, {"CDMLFS_HEALTH_BUSY_MAX": "15m"}):
+        res = topo.healthcheck(topo.host, **bad)  # a typo fails loudly, never passes as busy for ever
+        assert res.returncode == 1 and "not a " in res.stderr, (bad, res.stderr)
     sidecar.proc.send_signal(signal.SIGTERM)
     assert sidecar.wait() == 0
     assert not topo.pid_file.exists()

@@ -408,7 +408,8 @@ def test_builders_without_dockerfile_specific_ignore_files_get_the_same_context(
     sent .venv (gigabytes) and build/ (stale extensions setuptools could reuse). The root file is a
     link to docker/Dockerfile.dockerignore, so every builder reads the same rules."""
     root_ignore = ROOT / ".dockerignore"
-    assert root_ignore.is_symlink() and root_ignore.resolve() == (DOCKER / "Dockerfile.dockerignore").resolve()
+    assert root_ignore.is_symlink()
+    assert root_ignore.resolve() == (DOCKER / "Dockerfile.dockerignore").resolve()
 
 
 def test_build_stage_wheels_the_package_with_native_inflate(tmp_path: Path) -> None:

@@ -864,20 +864,33 @@ def _umask() -> int:
     return mask
 
 
-@pytest.mark.parametrize("how", ["grew", "rewritten"])
+@pytest.mark.parametrize("how", ["grew", "rewritten", "empty grew"])
 def test_a_file_written_while_packed_is_reported_as_changed(
     how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """GNU tar: "file changed as we read it", exit 1. A file that grew was cut to its listed size
-    without a word (and exit 0); one rewritten in place as it was read was not noticed either."""
+    without a word (and exit 0); one rewritten in place as it was read was not noticed either; an
+    empty one was never even opened."""
     from cdmlfs import pack as packmod
 
     src = tmp_path / "src"
     src.mkdir()
     log = src / "log"
-    log.write_bytes(b"a" * 1000)
+    size = 0 if how == "empty grew" else 1000
+    log.write_bytes(b"a" * size)
     changed: list[str] = []
     (entry,) = packmod.entries_from_directory(str(src), changed=changed)
+    if how == "empty grew":
+        log.write_bytes(b"late")
+        for kind in ("tar", "zip"):
+            changed.clear()
+            with open(tmp_path / f"o.{kind}", "wb") as f:
+                if kind == "tar":
+                    packmod.write_tar([entry], packmod._PlainTarSink(f), None, 0)
+                else:
+                    packmod.write_zip([entry], f, 6, None, 0)
+            assert changed == [str(log)], kind
+        return
     if how == "grew":
         with open(log, "ab") as f:
             f.write(b"b" * 5000)
@@ -893,7 +906,7 @@ def test_a_file_written_while_packed_is_reported_as_changed(
 
         monkeypatch.setattr(packmod.os, "fstat", fstat_then_write)
     data = b"".join(entry.read())
-    assert data == b"a" * 1000 and changed == [str(log)]
+    assert data == b"a" * size and changed == [str(log)]
 
 
 def test_zip_output_times_past_2038_and_before_1970(tmp_path: Path) -> None:
@@ -936,14 +949,19 @@ def test_a_stream_pack_drops_hard_links_to_members_it_does_not_copy(tmp_path: Pa
         info = tarfile.TarInfo("hl_ok")
         info.type, info.linkname = tarfile.LNKTYPE, "ok"
         t.addfile(info)
+        for name, typ, link in (("sym", tarfile.SYMTYPE, "ok"), ("hl_sym", tarfile.LNKTYPE, "sym")):
+            info = tarfile.TarInfo(name)  # a hard link to a symlink is kept, as the mount keeps it
+            info.type, info.linkname = typ, link
+            t.addfile(info)
     (tmp_path / "s.tar.gz").write_bytes(gzip.compress(raw.getvalue()))
     res = run_cli("pack", "-q", str(tmp_path / "s.tar.gz"), str(tmp_path / "o.tar.zst"))
     err = res.stderr.decode()
     assert res.returncode == 0, err
     assert "skipping hard link 'hl_ff'" in err and "1 device/FIFO" in err
     x = extract(tmp_path / "o.tar.zst", tmp_path / "x")
-    assert sorted(p.name for p in x.iterdir()) == ["hl_ok", "ok"]
+    assert sorted(p.name for p in x.iterdir()) == ["hl_ok", "hl_sym", "ok", "sym"]
     assert (x / "hl_ok").stat().st_ino == (x / "ok").stat().st_ino
+    assert os.readlink(x / "hl_sym") == "ok" and (x / "hl_sym").lstat().st_ino == (x / "sym").lstat().st_ino
 
 
 def test_a_path_too_long_for_a_zip_name_is_one_line(tmp_path: Path) -> None:

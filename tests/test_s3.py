@@ -100,6 +100,8 @@ def test_uri_parsing() -> None:
     assert parse_s3_uri(f"s3://{outpost}/k.tar.zst") == (outpost, "k.tar.zst")
     lam = "arn:aws-cn:s3-object-lambda:cn-north-1:123456789012:accesspoint/olap"
     assert parse_s3_uri(f"s3://{lam}/a b.zip") == (lam, "a b.zip")
+    mrap = "arn:aws:s3::123456789012:accesspoint/mfzwi23gnjvgw.mrap"  # multi-region: no region
+    assert parse_s3_uri(f"s3://{mrap}/k.zip") == (mrap, "k.zip")
     for bad in (f"s3://{ap}", f"s3://{ap}/", f"s3://{ap}/dir/"):
         with pytest.raises(UsageError, match="an object, not a prefix"):
             parse_s3_uri(bad)
@@ -748,7 +750,7 @@ def test_close_during_a_large_read_stops_fetching(localbucket_s3, proxy_to, tmp_
     assert remote.cache.held == 0
 
 
-def test_an_archived_object_and_a_wrong_clock_say_so(moto_s3, tmp_path: Path) -> None:
+def test_an_archived_object_says_so(moto_s3, tmp_path: Path) -> None:
     """A Glacier object answers 403 InvalidObjectState: it was reported as bad credentials."""
     path = _small_zip(tmp_path, "cold.zip")
     client = moto_s3.client()
@@ -762,6 +764,42 @@ def test_an_archived_object_and_a_wrong_clock_say_so(moto_s3, tmp_path: Path) ->
     )
     err = res.stderr.strip()
     assert res.returncode != 0 and "archived" in err and "restore" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_clock_too_far_off_says_so(localbucket_s3, proxy_to, tmp_path: Path) -> None:
+    """S3 refuses a request signed with a clock far off (403 RequestTimeTooSkewed): it was reported
+    as bad credentials."""
+    path = _small_zip(tmp_path, "skew.zip")
+    localbucket_s3.put("faults", "skew.zip", path)
+    proxy = proxy_to(localbucket_s3)
+    proxy.inject("skew", 2)  # the open's two first requests
+    res = run_cli("ls", "s3://faults/skew.zip", "--endpoint-url", proxy.url, timeout=60)
+    err = res.stderr.decode().strip()
+    assert res.returncode != 0 and "clock" in err and "credentials" not in err, err
+
+
+def test_commands_exit_at_their_deadline_while_a_request_is_still_stuck(
+    localbucket_s3, proxy_to, tmp_path: Path
+) -> None:
+    """A request left waiting on a server that drips its headers ran on an executor thread, which
+    the interpreter joins at exit: 'cdmlfs ls' said it gave up after 3 s and exited after 17. So
+    did an open whose optional first-bytes request stalled. Such requests run on daemon threads."""
+    path = _small_zip(tmp_path, "stuck.zip")
+    localbucket_s3.put("faults", "stuck.zip", path)
+    proxy = proxy_to(localbucket_s3, stall_seconds=30.0)
+    proxy.inject("drip_headers", 100)
+    started = time.monotonic()
+    res = run_cli(
+        "ls", "s3://faults/stuck.zip", "--endpoint-url", proxy.url, "--read-deadline", "3", timeout=60
+    )
+    assert res.returncode != 0 and b"failed after" in res.stderr, res.stderr
+    assert time.monotonic() - started < 3 + 4
+    proxy.clear()
+    proxy.quirks.add("stall_head_prefetch")
+    started = time.monotonic()
+    res = run_cli("ls", "s3://faults/stuck.zip", "--endpoint-url", proxy.url, timeout=60)
+    assert res.returncode == 0 and b"big" in res.stdout, res.stderr
+    assert time.monotonic() - started < s3mod.HEAD_WAIT + 4
 
 
 def test_a_malformed_aws_config_is_one_line_and_secrets_stay_out_of_debug_logs(tmp_path: Path) -> None:

@@ -425,6 +425,27 @@ def test_umount_and_stats_of_a_stuck_daemon_once_its_attributes_expired(tmp_path
         await_exit(pid)
 
 
+def test_a_mount_named_through_a_link_and_dot_dot_is_the_same_mount(tmp_path: Path, mnt: Path) -> None:
+    """``far/../../mnt`` with far -> a/b is tmp/mnt to the kernel (links first, then ..); resolving
+    '..' as text made it a path that was "not a cdmlfs mount" for stats and umount, and let a
+    second mount stack on the first with -o nonempty."""
+    good = python_zip(tmp_path / "good.zip", sample_files())
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    far = tmp_path / "far"
+    far.symlink_to(tmp_path / "a" / "b")
+    via = f"{far}/../../{mnt.name}"
+    run_cli("mount", str(good), str(mnt), check=True)
+    try:
+        res = run_cli("stats", via)
+        assert res.returncode == 0 and b"archive" in res.stdout, res.stderr
+        res = run_cli("mount", str(good), via, "-o", "nonempty")
+        assert res.returncode == 2 and b"already mounted" in res.stderr, res.stderr
+        run_cli("umount", via, check=True)
+        assert not is_mounted(mnt)
+    finally:
+        force_unmount(mnt)
+
+
 def test_the_daemon_keeps_no_descriptor_of_its_caller(tmp_path: Path, mnt: Path) -> None:
     """``{ cdmlfs mount a.zip m; } 3>&1 | cat`` never ended: the daemon held the pipe on fd 3 (a CI
     step's status pipe, bats' output) until the unmount. It closes what its caller passed down."""

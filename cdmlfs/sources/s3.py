@@ -32,8 +32,6 @@ import os
 import re
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 
 from cdmlfs import forksafe
 from cdmlfs.cache import ExtentCache
@@ -104,7 +102,7 @@ class _GaveUp(SourceError):
 # with the access point's name (Outposts: outpost/ID/accesspoint/NAME), and the key follows.
 _ACCESS_POINT_ARN = re.compile(
     r"^(arn:[a-z-]+:s3(?:-object-lambda|-outposts)?:[a-z0-9-]*:\d{12}:"
-    r"(?:outpost/[A-Za-z0-9-]+/)?accesspoint/[A-Za-z0-9-]+)(?:/(.*))?$"
+    r"(?:outpost/[A-Za-z0-9-]+/)?accesspoint/[A-Za-z0-9.-]+)(?:/(.*))?$"
 )
 
 
@@ -182,8 +180,8 @@ class S3Object:
         self._region = region
         self._profile = profile
         self._unsigned = bool(no_sign_request)
-        # Waiting to connect and for a reply's headers is bounded by these socket timeouts only (the
-        # watchdog guards bodies): they fit the deadline, and no attempt starts that could overrun it.
+        # Socket timeouts that fit the deadline; a reply's headers as a whole are awaited for the read
+        # timeout at most (_reply_by), its body until the deadline (the watchdog).
         self._timeouts = self.retry.timeouts(connect_timeout, read_timeout)
         self._connections = max_connections
         self._client_lock = threading.Lock()
@@ -192,7 +190,7 @@ class S3Object:
         self._changed: str | None = None
         self._closed = False
         self._watchdog = WATCHDOG
-        self._callers: ThreadPoolExecutor | None = None  # where requests wait for their reply headers
+        self._waiting = _StuckCount()  # requests still waiting for replies their reads gave up on
         self._failed_ranges: dict[tuple[int, int], tuple[float, str]] = {}
         self.requests = 0  # GET attempts, including retries and the opening one
         self.bytes_received = 0
@@ -256,9 +254,6 @@ class S3Object:
         self._blocks.close()
         with self._client_lock:
             client, self._client = self._client, None
-            callers, self._callers = self._callers, None
-        if callers is not None:
-            callers.shutdown(wait=False, cancel_futures=True)
         if client is not None:
             with contextlib.suppress(Exception):  # closing sockets must never fail an unmount
                 client.close()
@@ -330,7 +325,7 @@ class S3Object:
     def _after_fork_child(self) -> None:
         self._client_lock = threading.Lock()
         self._client = None  # the parent's connection pool shares sockets with it
-        self._callers = None  # its threads stayed in the parent
+        self._waiting = _StuckCount()  # its threads stayed in the parent
         self._failed_ranges = {}
 
     # -- requests ----------------------------------------------------------------
@@ -408,7 +403,7 @@ class S3Object:
             return None
 
     def _open_empty(self) -> tuple[int, str, int, bytes]:
-        resp = self._s3().head_object(Bucket=self.bucket, Key=self.key)
+        resp = self._reply_by(time.monotonic() + self.retry.deadline, head=True)
         self._last_modified = resp.get("LastModified")
         etag = resp.get("ETag")
         if not etag or resp.get("ContentLength"):
@@ -483,29 +478,26 @@ class S3Object:
             elif lo < end and start < hi:
                 raise SourceError(f"{why} (failed {now - when:.1f} s ago: not asked again yet)")
 
-    def _reply_by(self, deadline: float, **params):
-        """``get_object`` with the reply's headers awaited for a read timeout at most (never past
-        ``deadline``).
+    def _reply_by(self, deadline: float, head: bool = False, **params):
+        """``get_object`` (``head_object`` with ``head``), its reply's headers awaited for a read
+        timeout at most (never past ``deadline``).
 
         The HTTP client's timeouts bound each socket read, not the headers as a whole: a server that
         sent them a byte at a time held the read (and the FUSE request on it) for ever; the watchdog
-        bounds only bodies. So the request waits on a helper thread; headers not all in by then fail
-        the attempt like a timeout (it is retried), and a reply that comes later is closed unread.
+        bounds only bodies. So the request is made on a thread of its own (a daemon thread: one
+        left waiting on such a server must not hold the process at exit) while this one waits;
+        headers not all in by then fail the attempt like a stall (it is retried), and a reply that
+        comes later is closed unread. Past MAX_STUCK requests left waiting, attempts fail at once.
         """
         deadline = min(deadline, time.monotonic() + self._timeouts[1])
-        with self._client_lock:
-            if self._closed:
-                raise SourceError(f"{self.location}: source is closed")
-            if self._callers is None:
-                self._callers = ThreadPoolExecutor(self._connections + 2, thread_name_prefix="cdmlfs-s3")
-            callers = self._callers
+        if self._closed:
+            raise SourceError(f"{self.location}: source is closed")
         s3 = self._s3()
-        future = callers.submit(s3.get_object, Bucket=self.bucket, Key=self.key, **params)
-        try:
-            return future.result(timeout=max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:
-            future.add_done_callback(_close_late_reply)
-            raise _Transient("no reply headers before the read's deadline") from None
+        call = s3.head_object if head else s3.get_object
+        request = _Request(call, {"Bucket": self.bucket, "Key": self.key, **params}, self._waiting)
+        if not request.start():
+            raise _Transient(f"{MAX_STUCK} requests are still waiting for replies from this server")
+        return request.result(deadline)
 
     def _read_body(self, body, n: int | None) -> bytes:
         try:
@@ -673,12 +665,63 @@ class _Background:
         return None if self._thread.is_alive() else self._result
 
 
-def _close_late_reply(future: Future) -> None:
-    """A reply that came after its read gave up: close its body (and so its connection)."""
-    if future.cancelled() or future.exception() is not None:
-        return
-    with contextlib.suppress(Exception):
-        future.result()["Body"].close()
+MAX_STUCK = 64  # requests of one object left waiting for replies (one thread each) before attempts stop
+
+
+class _StuckCount:
+    """How many of an object's requests are still waiting for a reply nobody waits for any more."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stuck = 0
+
+
+class _Request:
+    """One SDK call on a daemon thread; :meth:`result` waits for it until a deadline.
+
+    The thread runs at once (no queue, so no request is held back behind stuck ones, or sent
+    late after its read gave up). A call given up on counts as stuck until it ends; its reply's
+    body, if it comes, is closed (which frees the connection)."""
+
+    def __init__(self, call, params: dict, waiting: _StuckCount) -> None:
+        self._call = call
+        self._params = params
+        self._waiting = waiting
+        self._done = threading.Event()
+        self._abandoned = False
+        self._value = None
+        self._error: BaseException | None = None
+
+    def start(self) -> bool:
+        if self._waiting.stuck >= MAX_STUCK:
+            return False
+        threading.Thread(target=self._run, name="cdmlfs-s3-request", daemon=True).start()
+        return True
+
+    def _run(self) -> None:
+        try:
+            self._value = self._call(**self._params)
+        except BaseException as exc:  # handed to the waiting thread
+            self._error = exc
+        with self._waiting.lock:
+            self._done.set()
+            late = self._abandoned
+            if late:
+                self._waiting.stuck -= 1
+        if late and isinstance(self._value, dict) and "Body" in self._value:
+            with contextlib.suppress(Exception):
+                self._value["Body"].close()
+
+    def result(self, deadline: float):
+        if not self._done.wait(max(0.0, deadline - time.monotonic())):
+            with self._waiting.lock:
+                if not self._done.is_set():
+                    self._abandoned = True
+                    self._waiting.stuck += 1
+                    raise _Transient("no reply headers within the read timeout")
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 _USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
