@@ -199,10 +199,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
         check_log_file(log_file, default=not args.log_file)
     if args.pid_file:
         check_pid_file(args.pid_file)
-    if not os.path.exists("/dev/fuse"):
-        raise CdmlfsError(
-            "/dev/fuse is missing: load the fuse module or run the container with --device /dev/fuse"
-        )
+    fuse_device = _dev_fuse_state()
+    if fuse_device != DEV_FUSE_USABLE:  # before the archive opens (minutes for a large S3 scan)
+        raise CdmlfsError(f"/dev/fuse is {fuse_device}")
     archive = _open_archive(args)
     opts = ServeOptions(
         mountpoint=mountpoint,
@@ -419,6 +418,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+DEV_FUSE_USABLE = "present, usable"
+
+
 def _dev_fuse_state(path: str = "/dev/fuse") -> str:
     """Present is not enough: a user who cannot open it gets libfuse's "Permission denied" at mount."""
     if not os.path.exists(path):
@@ -427,7 +429,7 @@ def _dev_fuse_state(path: str = "/dev/fuse") -> str:
         os.close(os.open(path, os.O_RDWR | os.O_CLOEXEC))
     except OSError as exc:
         return f"present but not usable by this user ({exc.strerror}; as root: chmod 0666 {path})"
-    return "present, usable"
+    return DEV_FUSE_USABLE
 
 
 def _user_allow_other(conf: str = "/etc/fuse.conf", euid: int | None = None) -> str:

@@ -316,10 +316,8 @@ def claim_mountpoint(mountpoint: str, notice_after: float = 1.0) -> int | None:
 
 
 def check_log_file(log_file: str, default: bool) -> None:
-    """Fail before forking (one line) when the daemon could not write its log there."""
-    if default:
-        with contextlib.suppress(OSError):
-            os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
+    """Fail before forking (one line) when the daemon could not write its log there (the default
+    log's folder is made by :func:`_state_dir`)."""
     what = f"daemon log {log_file} (set --log-file)" if default else f"--log-file {log_file}"
     _check_file_to_write(log_file, what)
     try:

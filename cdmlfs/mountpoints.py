@@ -57,12 +57,13 @@ def _resolved_above(path: str) -> str:
     kernel's cached attributes expire (an hour), so umount and stats would hang with it. ``..``
     is resolved after the links before it, as the kernel does (``link/..`` is the link target's
     parent); a path ending in ``..`` is resolved whole."""
-    path = os.fspath(path).rstrip("/") or "/"
+    path = os.fspath(path) or "."
+    path = path.rstrip("/") or "/"
     if path == "/":
         return path
     head, name = os.path.split(path)
-    if name == ".":
-        return _resolved_above(head or ".")
+    if name == ".":  # the folder before it; "." alone is the working directory (never stat-ed)
+        return _resolved_above(head) if head else os.getcwd()
     if name == "..":
         return os.path.realpath(path)
     return os.path.join(os.path.realpath(head or "."), name)

@@ -35,8 +35,9 @@ every compressed stream of the file is checked (read to its end for that), and
 anything but zero padding after one must be another sound stream. ZIP output
 has no hard links: they become copies; a stream converts to .tar.zst or .tar
 only (its hard links would need their target's bytes a second time). Mtimes are
-stored in whole seconds; ZIP can only hold 1980..2107 (exactly: 1901..2038),
-later or earlier ones are clamped.
+stored in whole seconds; a ZIP holds them exactly from 1970 to 2106 (an unsigned
+extended timestamp beside the DOS date), others in the DOS date only, clamped to
+1980..2107.
 """
 
 from __future__ import annotations
@@ -442,12 +443,6 @@ class _SeekableZstdSink(_TarSink):
             self._pool.shutdown(cancel_futures=True)
 
 
-def _check_empty(entry: PackEntry) -> None:
-    """Open an empty file's source all the same: one that grew since it was listed says so."""
-    for _ in entry.read():  # type: ignore[misc]
-        break
-
-
 def write_tar(
     entries: Iterable[PackEntry], sink: _TarSink, progress: Progress | None, total: int | None
 ) -> MemberTable:
@@ -471,9 +466,9 @@ def write_tar(
             members.append(entry.kind, entry.name, entry.mode, mtime, 0, 0, entry.link)
         data_at = pos
         crc = 0
-        if data_size:
+        if entry.kind == FILE and entry.read is not None:  # an empty one too: it may have grown
             written = 0
-            for chunk in entry.read():  # type: ignore[misc]
+            for chunk in entry.read():
                 take = chunk if written + len(chunk) <= data_size else chunk[: data_size - written]
                 sink.write(take)
                 crc = inflate.crc32(take, crc)
@@ -489,8 +484,7 @@ def write_tar(
                 if data_size > written:  # a source that shrank: the member reads as zeros to its size
                     crc = inflate.crc32(bytes(data_size - written), crc)
             pos += padded
-        elif entry.kind == FILE and entry.read is not None:
-            _check_empty(entry)
+
         if entry.kind == FILE:
             members.append(FILE, entry.name, entry.mode, mtime, data_size, data_at, crc=crc)
         if progress is not None and time.monotonic() - last_report > 0.2:
@@ -567,8 +561,8 @@ def write_zip(entries: list[PackEntry], f, level: int, progress: Progress | None
             info.file_size = entry.size
             with zf.open(info, "w", force_zip64=entry.size >= (1 << 31)) as w:
                 written = 0
-                if entry.size:
-                    for chunk in entry.read():  # type: ignore[misc]
+                if entry.read is not None:  # an empty file too: it may have grown
+                    for chunk in entry.read():
                         take = chunk[: entry.size - written]
                         w.write(take)
                         written += len(take)
@@ -580,8 +574,6 @@ def write_zip(entries: list[PackEntry], f, level: int, progress: Progress | None
                             last_report = time.monotonic()
                 if written < entry.size:
                     w.write(bytes(entry.size - written))
-                if not entry.size and entry.read is not None:
-                    _check_empty(entry)
     if progress is not None:
         progress(done, total)
 

@@ -23,7 +23,6 @@ import fcntl
 import json
 import os
 import threading
-import time
 from collections.abc import Callable
 
 CHUNK = 16368  # an ioctl's size field has 14 bits: at most 16383 bytes travel each way
@@ -50,24 +49,22 @@ def read(mountpoint: str, timeout: float | None = None) -> dict:
     only SIGKILL interrupts, so it is made on a thread of its own that is left behind."""
     if timeout is None:
         return _read(mountpoint)
-    outcome: list[tuple[bool, object]] = []
+    outcome: list = []
 
     def ask() -> None:
         try:
-            outcome.append((True, _read(mountpoint)))
+            outcome.append(_read(mountpoint))
         except BaseException as exc:  # handed to the caller's thread
-            outcome.append((False, exc))
+            outcome.append(exc)
 
-    threading.Thread(target=ask, name="cdmlfs-stats", daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while not outcome and time.monotonic() < deadline:
-        time.sleep(0.01)
-    if not outcome:
+    asking = threading.Thread(target=ask, name="cdmlfs-stats", daemon=True)
+    asking.start()
+    asking.join(timeout)
+    if asking.is_alive():
         raise TimeoutError(errno.ETIMEDOUT, f"no answer within {timeout:g} s")
-    ok, value = outcome[0]
-    if ok:
-        return value  # type: ignore[return-value]
-    raise value  # type: ignore[misc]
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
 
 
 def _read(mountpoint: str) -> dict:

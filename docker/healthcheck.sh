@@ -33,6 +33,8 @@ fail() {
 case "$LIMIT" in
   "" | *[!0-9.]* | *.*.* | .) fail "CDMLFS_HEALTH_TIMEOUT=$LIMIT: not a number of seconds" ;;
 esac
+# 0 would be no limit at all for timeout(1): a hung mount would hang the probe.
+awk -v l="$LIMIT" 'BEGIN { exit !(l > 0) }' || fail "CDMLFS_HEALTH_TIMEOUT=$LIMIT: must be more than 0"
 case "$BUSY_MAX" in
   "" | *[!0-9]*) fail "CDMLFS_HEALTH_BUSY_MAX=$BUSY_MAX: not a whole number of seconds" ;;
 esac
@@ -62,7 +64,8 @@ busy() {
   case "$since" in "" | *[!0-9]*) since="" ;; esac
   if [ -z "$since" ]; then
     since=$(date +%s)
-    { echo "$since" >"$PIDFILE.busy"; } 2>/dev/null
+    # Unrecorded, every probe would start a new streak: busy for ever. So not busy then.
+    { echo "$since" >"$PIDFILE.busy"; } 2>/dev/null || return 1
   fi
   if [ $(($(date +%s) - since)) -gt "$BUSY_MAX" ]; then
     fail "busy without answering for over ${BUSY_MAX}s (CDMLFS_HEALTH_BUSY_MAX)"

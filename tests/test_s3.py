@@ -812,7 +812,6 @@ def test_a_malformed_aws_config_is_one_line_and_secrets_stay_out_of_debug_logs(t
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
     err = res.stderr.strip()
     assert res.returncode == 2 and "AWS configuration" in err and len(err.splitlines()) == 1, err
-    env.pop("AWS_CONFIG_FILE")
     env["AWS_CONFIG_FILE"] = str(tmp_path / "none")
     cmd = [
         sys.executable,

@@ -446,6 +446,20 @@ def test_a_mount_named_through_a_link_and_dot_dot_is_the_same_mount(tmp_path: Pa
         force_unmount(mnt)
 
 
+def test_stats_and_mount_of_dot_name_the_working_directory(tmp_path: Path, mnt: Path) -> None:
+    """'cdmlfs stats .' inside a mount (and 'cdmlfs mount X .') ended in a RecursionError once
+    mount points were resolved without a stat: '.' is the working directory, never stat-ed."""
+    from cdmlfs.mountpoints import _resolved_above
+
+    assert _resolved_above(".") == _resolved_above("./") == os.getcwd()
+    good = python_zip(tmp_path / "good.zip", sample_files())
+    with mounted(good, mnt):
+        res = run_cli("stats", ".", cwd=mnt)
+        assert res.returncode == 0 and b"archive" in res.stdout, res.stderr
+        res = run_cli("mount", str(good), ".", cwd=mnt)
+        assert res.returncode == 2 and b"already mounted" in res.stderr, res.stderr
+
+
 def test_the_daemon_keeps_no_descriptor_of_its_caller(tmp_path: Path, mnt: Path) -> None:
     """``{ cdmlfs mount a.zip m; } 3>&1 | cat`` never ended: the daemon held the pipe on fd 3 (a CI
     step's status pipe, bats' output) until the unmount. It closes what its caller passed down."""

@@ -91,13 +91,8 @@ def _assert_same(data: bytes, monkeypatch, caplog, label: str = "") -> object:
 
 
 def _ext_time(seconds: int, flags: int = 1) -> bytes:
-    body = struct.pack("<Bi", flags, seconds)
-    return struct.pack("<HH", 0x5455, len(body)) + body
-
-
-def _ext_time_u(seconds: int) -> bytes:
-    """The field as Info-ZIP writes it: 32 bits unsigned (past 2038 too)."""
-    body = struct.pack("<BI", 1, seconds)
+    """The field's 32 bits: a negative time as two's complement, past 2038 unsigned (as Info-ZIP)."""
+    body = struct.pack("<BI", flags, seconds & 0xFFFFFFFF)
     return struct.pack("<HH", 0x5455, len(body)) + body
 
 
@@ -163,9 +158,9 @@ CRAFTED = {
         _m("ext", extra=_ext_time(1_234_567_890)),
         _m("ext-noflag", extra=_ext_time(1_234_567_890, flags=2)),
         _m("ext-negative", extra=_ext_time(-5)),
-        _m("ext-2040", extra=_ext_time_u(2_208_988_800), fields={"date": 60 << 9 | 1 << 5 | 1}),
+        _m("ext-2040", extra=_ext_time(2_208_988_800), fields={"date": 60 << 9 | 1 << 5 | 1}),
         _m("ext-1960", extra=_ext_time(-305_000_000), fields={"date": 0 << 9 | 1 << 5 | 1}),
-        _m("ext-2106-dos-2107", extra=_ext_time_u(2**32 - 1), fields={"date": 0xFFFF}),
+        _m("ext-2106-dos-2107", extra=_ext_time(2**32 - 1), fields={"date": 0xFFFF}),
         _m("ext-short", extra=struct.pack("<HH", 0x5455, 3) + b"\x01\x02\x03"),
         _m("ext-4", extra=struct.pack("<HH", 0x5455, 4) + b"\x01\x02\x03\x04" + _ext_time(1)[:3]),
         _m("ntfs", extra=_ntfs(132_000_000_000_000_000)),

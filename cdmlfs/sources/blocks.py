@@ -304,6 +304,9 @@ class BlockLayer:
             return
         cached = self.cache.put(span.key, data)
         with self._lock:
+            if self._closed:  # closed between the check and the put: take them out again
+                self.cache.discard(span.key)
+                cached = False
             self.stats.fetches += 1
             self.stats.fetched_bytes += len(data)
             if cached and self._spans.get(span.start) is span:
@@ -387,6 +390,8 @@ class BlockLayer:
         finally:
             room.release()
         with self._lock:
+            if self._closed:  # as in _run_foreground: closed meanwhile, so not kept
+                self.cache.discard(span.key)
             self.stats.prefetches += 1
             self.stats.prefetched_bytes += len(data)
             if self._spans.get(span.start) is span:

@@ -197,7 +197,8 @@ class S3Object:
         self.retries = 0
         _quiet_sdk_loggers()
         self._make_session()
-        head = _Background(self._head, HEAD_BYTES)  # format sniffing reads the first bytes: same round trip
+        # Format sniffing reads the first bytes: asked for at the same time as the suffix.
+        self._head = head = _Background(self._head_bytes, HEAD_BYTES)
         self.size, self.etag, tail_start, tail = self._open(open_suffix)
         self._weak = self.etag.strip().startswith("W/")
         self.identity = SourceIdentity(self.location, self.size, _etag(self.etag))
@@ -320,7 +321,10 @@ class S3Object:
             return self._client
 
     def _before_fork(self) -> None:
-        pass
+        # The optional first-bytes request may still be inside the SDK (a fork then would copy its
+        # locks held): give it the time the open gave it. Requests abandoned on a stuck server can
+        # be too; the child makes its own client and never touches theirs.
+        self._head.result(HEAD_WAIT)
 
     def _after_fork_child(self) -> None:
         self._client_lock = threading.Lock()
@@ -342,7 +346,7 @@ class S3Object:
             else:
                 return self._open_reply(resp, suffix, deadline)
             try:  # S3 answers 416 for any range of an empty object
-                return self._open_empty()
+                return self._open_empty(deadline)
             except Exception as exc:
                 self._classify(exc, opening=True)
                 raise
@@ -381,7 +385,7 @@ class S3Object:
             body.close()
         return size, etag, start, data
 
-    def _head(self, n: int) -> tuple[str, bytes] | None:
+    def _head_bytes(self, n: int) -> tuple[str, bytes] | None:
         """The first ``n`` bytes and their ETag, unpinned (kept only if the ETag matches the suffix's)."""
         deadline = time.monotonic() + self.retry.deadline
         try:
@@ -402,8 +406,8 @@ class S3Object:
             log.debug("%s: head prefetch failed: %s", self.location, _redact(str(exc)))
             return None
 
-    def _open_empty(self) -> tuple[int, str, int, bytes]:
-        resp = self._reply_by(time.monotonic() + self.retry.deadline, head=True)
+    def _open_empty(self, deadline: float) -> tuple[int, str, int, bytes]:
+        resp = self._reply_by(deadline, head=True)
         self._last_modified = resp.get("LastModified")
         etag = resp.get("ETag")
         if not etag or resp.get("ContentLength"):
@@ -490,9 +494,7 @@ class S3Object:
         comes later is closed unread. Past MAX_STUCK requests left waiting, attempts fail at once.
         """
         deadline = min(deadline, time.monotonic() + self._timeouts[1])
-        if self._closed:
-            raise SourceError(f"{self.location}: source is closed")
-        s3 = self._s3()
+        s3 = self._s3()  # refuses once the source is closed
         call = s3.head_object if head else s3.get_object
         request = _Request(call, {"Bucket": self.bucket, "Key": self.key, **params}, self._waiting)
         if not request.start():
@@ -649,7 +651,7 @@ class S3Object:
 
 
 class _Background:
-    """Run one call in a thread; ``result()`` joins it (None if it raised)."""
+    """Run one call in a thread; ``result(timeout)`` waits for it (None if it raised or is not done)."""
 
     def __init__(self, fn, *args) -> None:
         self._result = None
