@@ -453,7 +453,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     import json
 
     from cdmlfs import statsio
-    from cdmlfs.mountpoints import mount_entry
+    from cdmlfs.mountpoints import call_within, mount_entry
 
     entry = mount_entry(args.mountpoint)
     if entry is None or entry["fstype"] != "fuse.cdmlfs":
@@ -461,7 +461,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
             raise UsageError(f"{args.mountpoint}: no such directory")
         raise UsageError(f"{args.mountpoint}: not a cdmlfs mount")
     try:
-        stats = statsio.read(entry["mountpoint"], timeout=STATS_TIMEOUT)
+        stats = call_within(lambda: statsio.read(entry["mountpoint"]), STATS_TIMEOUT)
     except OSError as exc:
         hint = ""
         if isinstance(exc, TimeoutError):

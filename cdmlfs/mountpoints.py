@@ -9,8 +9,12 @@ import stat
 import subprocess
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from cdmlfs.errors import UsageError
+
+T = TypeVar("T")
 
 
 def _unescape(field: str) -> str:
@@ -217,13 +221,38 @@ DEAD_PROBE_SECONDS = 2.0
 COMMAND_TIMEOUT = 30.0
 
 
+def call_within(fn: Callable[[], T], seconds: float) -> T:
+    """``fn()``, or TimeoutError once ``seconds`` have passed without its answer.
+
+    For calls that ask a daemon through its mount: such a wait is in the kernel, which only SIGKILL
+    interrupts, and a stopped or stuck daemon never answers. So ``fn`` runs on a daemon thread that
+    is left behind when it does not finish (it never holds the process at exit); its exception, if
+    it raises in time, is raised here."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as exc:  # handed to the caller's thread
+            outcome.append((False, exc))
+
+    worker = threading.Thread(target=run, name="cdmlfs-ask-mount", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if not outcome:
+        raise TimeoutError(errno.ETIMEDOUT, f"no answer within {seconds:g} s")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
 def _dead_within(path: str, seconds: float) -> bool:
     """``_is_dead``, but a daemon that does not answer in time counts as alive (and stuck)."""
-    answer: list[bool] = []
-    probe = threading.Thread(target=lambda: answer.append(_is_dead(path)), daemon=True)
-    probe.start()
-    probe.join(seconds)
-    return bool(answer and answer[0])
+    try:
+        return call_within(lambda: _is_dead(path), seconds)
+    except TimeoutError:
+        return False
 
 
 def _gone(path: str, mount_id: tuple[str, str] | None) -> bool:

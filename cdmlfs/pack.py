@@ -484,7 +484,6 @@ def write_tar(
                 if data_size > written:  # a source that shrank: the member reads as zeros to its size
                     crc = inflate.crc32(bytes(data_size - written), crc)
             pos += padded
-
         if entry.kind == FILE:
             members.append(FILE, entry.name, entry.mode, mtime, data_size, data_at, crc=crc)
         if progress is not None and time.monotonic() - last_report > 0.2:

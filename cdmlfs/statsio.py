@@ -22,7 +22,6 @@ import errno
 import fcntl
 import json
 import os
-import threading
 from collections.abc import Callable
 
 CHUNK = 16368  # an ioctl's size field has 14 bits: at most 16383 bytes travel each way
@@ -41,33 +40,9 @@ def fill_reply(blob: bytes, number: int, buf: memoryview) -> None:
     buf[_HEADER : _HEADER + len(piece)] = piece
 
 
-def read(mountpoint: str, timeout: float | None = None) -> dict:
+def read(mountpoint: str) -> dict:
     """Client side: the stats of the mount at ``mountpoint`` (OSError from the open or the ioctl).
-
-    ``timeout``: TimeoutError when the daemon has not answered by then (stopped, stuck, or busy with
-    one long request: a local mount serves one at a time). The request waits in the kernel, which
-    only SIGKILL interrupts, so it is made on a thread of its own that is left behind."""
-    if timeout is None:
-        return _read(mountpoint)
-    outcome: list = []
-
-    def ask() -> None:
-        try:
-            outcome.append(_read(mountpoint))
-        except BaseException as exc:  # handed to the caller's thread
-            outcome.append(exc)
-
-    asking = threading.Thread(target=ask, name="cdmlfs-stats", daemon=True)
-    asking.start()
-    asking.join(timeout)
-    if asking.is_alive():
-        raise TimeoutError(errno.ETIMEDOUT, f"no answer within {timeout:g} s")
-    if isinstance(outcome[0], BaseException):
-        raise outcome[0]
-    return outcome[0]
-
-
-def _read(mountpoint: str) -> dict:
+    It waits as long as the daemon takes: ``cdmlfs stats`` bounds it (``mountpoints.call_within``)."""
     fd = os.open(mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         return gather(lambda buf: fcntl.ioctl(fd, REQUEST, buf, True))

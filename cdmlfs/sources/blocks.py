@@ -299,12 +299,11 @@ class BlockLayer:
                 self._remove_if_indexed(span)
             _settle(span, exc=exc)
             return
-        if self._closed:  # the cache was cleared of our spans: bytes put now would stay there
-            _settle(span, exc=SourceError(f"{self.name}: source closed during the read"))
-            return
         cached = self.cache.put(span.key, data)
         with self._lock:
-            if self._closed:  # closed between the check and the put: take them out again
+            # Closed meanwhile: close() failed this span's readers and cleared the cache of its
+            # spans, so bytes put now would stay there. Taken out under the lock close() takes too.
+            if self._closed:
                 self.cache.discard(span.key)
                 cached = False
             self.stats.fetches += 1
@@ -383,14 +382,11 @@ class BlockLayer:
                     self._remove_if_indexed(span)
                 _settle(span, exc=exc)
                 return
-            if self._closed:  # as in _run_foreground: nothing enters the cache after close
-                _settle(span, exc=SourceError(f"{self.name}: source closed during the read"))
-                return
             room.commit(span.key, data)
         finally:
             room.release()
         with self._lock:
-            if self._closed:  # as in _run_foreground: closed meanwhile, so not kept
+            if self._closed:  # as in _run_foreground: closed meanwhile, so not kept (not readable)
                 self.cache.discard(span.key)
             self.stats.prefetches += 1
             self.stats.prefetched_bytes += len(data)

@@ -550,9 +550,7 @@ class S3Object:
         deadline = started + policy.deadline
         failures = 0
         while True:
-            if self._closed:
-                raise SourceError(f"{self.location}: source closed during the read")
-            self.requests += 1
+            self.requests += 1  # an attempt after close is refused by _s3()
             try:
                 return attempt(deadline)
             except _Transient as exc:
