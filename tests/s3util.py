@@ -224,7 +224,9 @@ class FaultProxy:
         self._chaos_kinds: tuple[str, ...] = ()
         # Standing misbehaviours of a non-compliant server, on ranged GETs: "weak_etag" (W/ ETags),
         # "no_etag" (none on replies to non-suffix ranges), "ignore_if_match" (If-Match dropped);
-        # "stall_head_prefetch": the open's optional request for the first 4 KiB stalls (once).
+        # "stall_head_prefetch": the open's optional request for the first 4 KiB stalls (once);
+        # "refuse_query_auth": 403 to every request authenticated by its query string (a presigned
+        # URL), as a store without query authentication answers; "refuse_query_auth_once": the next.
         self.quirks: set[str] = set()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -364,6 +366,11 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             time.sleep(owner.latency)
         if fault in ("503", "500", "403"):
             self._error(int(fault))
+            return
+        query_auth = "X-Amz-Signature=" in self.path or "Signature=" in self.path
+        if query_auth and owner.quirks & {"refuse_query_auth", "refuse_query_auth_once"}:
+            owner.quirks.discard("refuse_query_auth_once")
+            self._error(403)
             return
         if fault == "skew":  # what S3 answers a request signed with a clock far off
             self._error(403, "RequestTimeTooSkewed")

@@ -27,18 +27,20 @@ signed request headers, so their loggers are capped at INFO.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
 import threading
 import time
 
-from cdmlfs import forksafe
+from cdmlfs import __version__, forksafe
 from cdmlfs.cache import ExtentCache
 from cdmlfs.errors import SourceChangedError, SourceError, UsageError
 from cdmlfs.sources.base import SourceIdentity
 from cdmlfs.sources.blocks import BlockConfig, BlockLayer
 from cdmlfs.sources.retry import RetryPolicy
+from cdmlfs.sources.s3_presigned import PresignedGets, hide_signature
 from cdmlfs.sources.watchdog import WATCHDOG
 
 log = logging.getLogger(__name__)
@@ -195,6 +197,13 @@ class S3Object:
         self.requests = 0  # GET attempts, including retries and the opening one
         self.bytes_received = 0
         self.retries = 0
+        # Ranged reads by presigned URL (cdmlfs.sources.s3_presigned): CDMLFS_S3_PRESIGNED=0 sends every
+        # GET through the SDK's get_object instead (for comparison; refusals fall back on their own).
+        self._presigned = (
+            PresignedGets(self.bucket, self.key, f"cdmlfs/{__version__}")
+            if os.environ.get("CDMLFS_S3_PRESIGNED", "1") != "0"
+            else None
+        )
         _quiet_sdk_loggers()
         self._make_session()
         # Format sniffing reads the first bytes: asked for at the same time as the suffix.
@@ -262,6 +271,7 @@ class S3Object:
     def stats(self) -> dict[str, int]:
         """Request and block-layer counters (``cdmlfs stats`` shows them)."""
         out = {"get_requests": self.requests, "retries": self.retries, "bytes_received": self.bytes_received}
+        out["presigned_gets"] = self._presigned.sent if self._presigned is not None else 0
         out.update(self._blocks.stats.as_dict())
         return out
 
@@ -328,6 +338,8 @@ class S3Object:
 
     def _after_fork_child(self) -> None:
         self._client_lock = threading.Lock()
+        if self._presigned is not None:
+            self._presigned.after_fork()
         self._client = None  # the parent's connection pool shares sockets with it
         self._waiting = _StuckCount()  # its threads stayed in the parent
         self._failed_ranges = {}
@@ -433,7 +445,7 @@ class S3Object:
         def attempt(deadline: float):
             pin = {} if self._weak else {"IfMatch": self.etag}  # If-Match never matches a weak ETag
             try:
-                resp = self._reply_by(deadline, Range=f"bytes={start}-{end - 1}", **pin)
+                resp = self._reply_by(deadline, presigned=True, Range=f"bytes={start}-{end - 1}", **pin)
             except Exception as exc:
                 self._classify(exc, opening=False)
                 raise
@@ -482,9 +494,9 @@ class S3Object:
             elif lo < end and start < hi:
                 raise SourceError(f"{why} (failed {now - when:.1f} s ago: not asked again yet)")
 
-    def _reply_by(self, deadline: float, head: bool = False, **params):
-        """``get_object`` (``head_object`` with ``head``), its reply's headers awaited for a read
-        timeout at most (never past ``deadline``).
+    def _reply_by(self, deadline: float, head: bool = False, presigned: bool = False, **params):
+        """``get_object`` (``head_object`` with ``head``; by presigned URL with ``presigned``), its
+        reply's headers awaited for a read timeout at most (never past ``deadline``).
 
         The HTTP client's timeouts bound each socket read, not the headers as a whole: a server that
         sent them a byte at a time held the read (and the FUSE request on it) for ever; the watchdog
@@ -495,8 +507,14 @@ class S3Object:
         """
         deadline = min(deadline, time.monotonic() + self._timeouts[1])
         s3 = self._s3()  # refuses once the source is closed
-        call = s3.head_object if head else s3.get_object
-        request = _Request(call, {"Bucket": self.bucket, "Key": self.key, **params}, self._waiting)
+        if presigned and self._presigned is not None and not head:
+            call, params = functools.partial(self._presigned.get_object, s3), params
+        else:
+            call, params = (
+                (s3.head_object if head else s3.get_object),
+                {"Bucket": self.bucket, "Key": self.key, **params},
+            )
+        request = _Request(call, params, self._waiting)
         if not request.start():
             raise _Transient(f"{MAX_STUCK} requests are still waiting for replies from this server")
         return request.result(deadline)
@@ -729,8 +747,9 @@ _PERMANENT_TLS = re.compile(r"WRONG_VERSION_NUMBER|CERTIFICATE_VERIFY_FAILED|cer
 
 
 def _redact(text: str) -> str:
-    """Drop ``user:password@`` from URLs in a message (an endpoint URL may carry credentials)."""
-    return _USERINFO.sub("***@", text)
+    """Drop ``user:password@`` from URLs in a message (an endpoint URL may carry credentials), and
+    the signed query of a presigned URL (its signature, key id and session token)."""
+    return hide_signature(_USERINFO.sub("***@", text))
 
 
 def _error_code(exc: BaseException) -> str:
