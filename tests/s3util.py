@@ -186,6 +186,7 @@ FAULTS = (
     "drip",
     "drip_headers",
     "skew",
+    "bad_header",  # the reply (otherwise right) carries a header line without a colon
 )
 DRIP_PAUSE = 0.2
 
@@ -368,8 +369,11 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self._error(int(fault))
             return
         query_auth = "X-Amz-Signature=" in self.path or "Signature=" in self.path
-        if query_auth and owner.quirks & {"refuse_query_auth", "refuse_query_auth_once"}:
-            owner.quirks.discard("refuse_query_auth_once")
+        with owner._lock:
+            refuse = query_auth and bool(owner.quirks & {"refuse_query_auth", "refuse_query_auth_once"})
+            if refuse:
+                owner.quirks.discard("refuse_query_auth_once")
+        if refuse:
             self._error(403)
             return
         if fault == "skew":  # what S3 answers a request signed with a clock far off
@@ -420,6 +424,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 if "weak_etag" in owner.quirks:
                     v = "W/" + v
             self.send_header(k, v)
+        if fault == "bad_header":  # urllib3 warns "Failed to parse headers (url=...)" and goes on
+            self._headers_buffer.append(b"this header line has no colon\r\n")
         self.end_headers()
         total = int(resp.getheader("Content-Length") or 0) if self.command != "HEAD" else 0
         limit = total // 2 if fault in ("truncate", "short", "stall_body") else total

@@ -29,7 +29,7 @@ from cdmlfs.sources import s3 as s3mod
 from cdmlfs.sources.local import LocalFile
 from cdmlfs.sources.retry import RetryPolicy
 from cdmlfs.sources.s3 import parse_s3_uri
-from cdmlfs.sources.s3_presigned import hide_signature
+from cdmlfs.sources.s3_presigned import hide_signature, refused
 from cdmlfs.zstd_seekable import walk_frames
 
 # Session servers and the proxy factory (fixtures live in s3util: conftest.py is shared).
@@ -727,6 +727,107 @@ def test_presigned_urls_never_reach_messages_or_logs(
     assert hide_signature("GET http://h/b/k?X-Amz-Algorithm=A&X-Amz-Signature=f00 done") == (
         "GET http://h/b/k?<signed query hidden> done"
     )
+
+
+def test_sdk_log_lines_never_show_a_presigned_query(localbucket_s3, proxy_to, tmp_path: Path, caplog) -> None:
+    """urllib3 logs a reply whose headers do not parse with the request target (a WARNING, above the
+    SDK loggers' INFO floor), and logs every request target at DEBUG, a level a program may set
+    after opening: neither shows the signed query."""
+    import logging
+
+    path = _presign_zip(localbucket_s3, tmp_path, "logs.zip")
+    proxy = proxy_to(localbucket_s3)
+    with (
+        caplog.at_level("DEBUG"),
+        Archive("s3://presign/logs.zip", endpoint_url=proxy.url, open_suffix=4096) as remote,
+        Archive(str(path)) as local,
+    ):
+        for name in ("urllib3", "urllib3.connection", "urllib3.connectionpool", "botocore", "botocore.auth"):
+            logging.getLogger(name).setLevel(logging.DEBUG)  # what a program may do after the open
+        proxy.chaos(1.0, ("bad_header",))
+        _read_all_equal(remote, local)
+        assert remote.source._presigned.sent > 0
+    text = "\n".join(r.getMessage() + (r.exc_text or "") for r in caplog.records)
+    assert "Failed to parse headers" in text, text  # the warning is there, without the query
+    for secret in ("X-Amz-Signature", "X-Amz-Credential", "Signature=", "AWSAccessKeyId"):
+        assert secret not in text
+
+
+def test_statuses_that_refuse_a_url_rather_than_answer() -> None:
+    """A store without query authentication may say so with any 4xx or 501; 404, 412, 416 and 429
+    keep their meaning (deleted, replaced, shorter, slow down), and 5xx are retried."""
+    for status in (301, 307, 400, 401, 403, 405, 501):
+        assert refused(status), status
+    for status in (200, 206, 404, 408, 412, 416, 429, 500, 503):
+        assert not refused(status), status
+
+
+def _spread_members(endpoint, tmp_path: Path, key: str) -> tuple[Path, list[str]]:
+    """1,500 members of 2 KiB, and three of them far apart: each read of those is a GET of its own."""
+    path = _many_small_zip(tmp_path / key, 1500)
+    endpoint.put("presign", key, path)
+    return path, ["d000/m000200.bin", "d000/m000700.bin", "d001/m001200.bin"]
+
+
+def test_a_slow_signing_holds_no_read_back(localbucket_s3, proxy_to, tmp_path: Path, monkeypatch) -> None:
+    """Signing may refresh credentials (an STS call taking seconds): while one thread signs the
+    URL due for its refresh, the others go on with the current one, valid for minutes more."""
+    import threading
+
+    from cdmlfs.sources import s3_presigned
+
+    path, (first, second, third) = _spread_members(localbucket_s3, tmp_path, "slow.zip")
+    proxy = proxy_to(localbucket_s3)
+    with (
+        Archive("s3://presign/slow.zip", endpoint_url=proxy.url, part_size=64 << 10) as remote,
+        Archive(str(path)) as local,
+    ):
+        assert remote.read(first) == local.read(first)
+        client = remote.source._s3()
+        sign = client.generate_presigned_url
+        signing = threading.Event()
+
+        def slow_sign(*args, **kwargs):
+            signing.set()
+            time.sleep(3.0)
+            return sign(*args, **kwargs)
+
+        monkeypatch.setattr(client, "generate_presigned_url", slow_sign)
+        monkeypatch.setattr(s3_presigned, "REFRESH", 0.0)  # the current URL is due for its refresh
+        signer = threading.Thread(target=remote.read, args=(second,))
+        signer.start()
+        assert signing.wait(5)
+        started = time.monotonic()
+        assert remote.read(third) == local.read(third)
+        assert time.monotonic() - started < 1.5  # not behind the 3 s signing
+        signer.join()
+        assert remote.source._presigned.signed == 2
+
+
+def test_presigned_urls_are_tried_again_after_a_while(
+    localbucket_s3, proxy_to, tmp_path: Path, monkeypatch
+) -> None:
+    """A refusal may be passing (a proxy, a bucket whose DNS was settling): the SDK serves the
+    object for RETRY_AFTER seconds, then presigned URLs are tried again."""
+    from cdmlfs.sources import s3_presigned
+
+    monkeypatch.setattr(s3_presigned, "RETRY_AFTER", 0.5)
+    path, (first, second, third) = _spread_members(localbucket_s3, tmp_path, "again.zip")
+    proxy = proxy_to(localbucket_s3)
+    proxy.quirks.add("refuse_query_auth")
+    with (
+        Archive("s3://presign/again.zip", endpoint_url=proxy.url, part_size=64 << 10) as remote,
+        Archive(str(path)) as local,
+    ):
+        gets = remote.source._presigned
+        assert remote.read(first) == local.read(first)
+        assert gets.refused and gets.sent == 2
+        proxy.quirks.discard("refuse_query_auth")
+        assert remote.read(second) == local.read(second)
+        assert gets.sent == 2  # within RETRY_AFTER: the SDK
+        time.sleep(0.6)
+        assert remote.read(third) == local.read(third)
+        assert gets.refused is None and gets.sent == 3
 
 
 def test_pack_converts_a_tar_gz_on_s3_as_one_stream(localbucket_s3, proxy_to, tmp_path: Path) -> None:

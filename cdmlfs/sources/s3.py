@@ -27,7 +27,6 @@ signed request headers, so their loggers are capped at INFO.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import re
@@ -40,7 +39,7 @@ from cdmlfs.errors import SourceChangedError, SourceError, UsageError
 from cdmlfs.sources.base import SourceIdentity
 from cdmlfs.sources.blocks import BlockConfig, BlockLayer
 from cdmlfs.sources.retry import RetryPolicy
-from cdmlfs.sources.s3_presigned import PresignedGets, hide_signature
+from cdmlfs.sources.s3_presigned import PresignedGets, guard_sdk_logs, hide_signature, prefer_sigv4
 from cdmlfs.sources.watchdog import WATCHDOG
 
 log = logging.getLogger(__name__)
@@ -57,7 +56,6 @@ HEAD_WAIT = 1.0  # seconds the open waits for that optional prefetch once its ow
 # budget. Short, so that a caller's own retry a moment later makes fresh attempts.
 FAILED_RANGE_MEMORY = 1.0
 PRIVATE_CACHE = 64 * MiB  # when no Archive cache is shared (a bare S3Object)
-SDK_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer")
 
 # Options open_source() passes through to S3Object (the rest belong to formats and front ends).
 S3_OPTIONS = frozenset(
@@ -136,14 +134,6 @@ def _etag(value: str | None) -> str:
     return (value or "").strip().removeprefix("W/").strip('"')
 
 
-def _quiet_sdk_loggers() -> None:
-    """The SDK logs signed request headers (key id, session token) at DEBUG: never let -v show them."""
-    for name in SDK_LOGGERS:
-        logger = logging.getLogger(name)
-        if logger.getEffectiveLevel() < logging.INFO:
-            logger.setLevel(logging.INFO)
-
-
 class S3Object:
     """An S3 (or S3-compatible) object read with ranged GETs through a shared block cache."""
 
@@ -204,7 +194,7 @@ class S3Object:
             if os.environ.get("CDMLFS_S3_PRESIGNED", "1") != "0"
             else None
         )
-        _quiet_sdk_loggers()
+        guard_sdk_logs()  # the SDK logs signed headers (key id, session token) at DEBUG: never shown
         self._make_session()
         # Format sniffing reads the first bytes: asked for at the same time as the suffix.
         self._head = head = _Background(self._head_bytes, HEAD_BYTES)
@@ -328,6 +318,9 @@ class S3Object:
                 except ValueError as exc:  # botocore: "Invalid endpoint: 127.0.0.1:9000" (no scheme)
                     hint = " (an endpoint URL looks like http://host:port)" if "endpoint" in str(exc) else ""
                     raise UsageError(f"{_redact(str(exc))}{hint}") from None
+                if self._presigned is not None:
+                    prefer_sigv4(self._client)
+                guard_sdk_logs()  # loggers of the modules the client brought in
             return self._client
 
     def _before_fork(self) -> None:
@@ -508,13 +501,11 @@ class S3Object:
         deadline = min(deadline, time.monotonic() + self._timeouts[1])
         s3 = self._s3()  # refuses once the source is closed
         if presigned and self._presigned is not None and not head:
-            call, params = functools.partial(self._presigned.get_object, s3), params
+            request = _Request(self._presigned.get_object, {"client": s3, **params}, self._waiting)
+            request.params["stop"] = request.abandoned  # no fresh URL nor SDK request after that
         else:
-            call, params = (
-                (s3.head_object if head else s3.get_object),
-                {"Bucket": self.bucket, "Key": self.key, **params},
-            )
-        request = _Request(call, params, self._waiting)
+            call = s3.head_object if head else s3.get_object
+            request = _Request(call, {"Bucket": self.bucket, "Key": self.key, **params}, self._waiting)
         if not request.start():
             raise _Transient(f"{MAX_STUCK} requests are still waiting for replies from this server")
         return request.result(deadline)
@@ -703,7 +694,7 @@ class _Request:
 
     def __init__(self, call, params: dict, waiting: _StuckCount) -> None:
         self._call = call
-        self._params = params
+        self.params = params
         self._waiting = waiting
         self._done = threading.Event()
         self._abandoned = False
@@ -718,7 +709,7 @@ class _Request:
 
     def _run(self) -> None:
         try:
-            self._value = self._call(**self._params)
+            self._value = self._call(**self.params)
         except BaseException as exc:  # handed to the waiting thread
             self._error = exc
         with self._waiting.lock:
@@ -729,6 +720,10 @@ class _Request:
         if late and isinstance(self._value, dict) and "Body" in self._value:
             with contextlib.suppress(Exception):
                 self._value["Body"].close()
+
+    def abandoned(self) -> bool:
+        """Whether the waiting thread gave up on this call (its thread should send nothing more)."""
+        return self._abandoned
 
     def result(self, deadline: float):
         if not self._done.wait(max(0.0, deadline - time.monotonic())):
