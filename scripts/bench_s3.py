@@ -12,6 +12,9 @@ Two measurements on one ZIP object (~1 GiB stored member plus many 2 KiB members
 2. **Sequential read of the 1 GiB member**: cdmlfs (Python API and FUSE mount)
    versus raw boto3 parallel range GETs of the same byte range, direct to
    localbucket. Target: cdmlfs >= 80% of raw throughput.
+3. **Random small members, 8 threads, through a mount**: files/s and CPU per
+   file (reader + daemon) with ranged GETs by presigned URL (the default)
+   versus every GET through boto3's ``get_object`` (``CDMLFS_S3_PRESIGNED=0``).
 
 Rounds alternate between contenders (the machine is shared and small); medians
 are reported, and every ratio compares figures measured in this run.
@@ -244,7 +247,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--members", type=int, default=100, help="random members read per round")
     ap.add_argument("--ratarmount", default=DEFAULT_RATARMOUNT)
-    ap.add_argument("--skip", choices=("random", "sequential"), action="append", default=[])
+    ap.add_argument("--parallel-members", type=int, default=2000, help="members read per round in (3)")
+    ap.add_argument("--skip", choices=("random", "sequential", "parallel"), action="append", default=[])
     args = ap.parse_args()
     work: Path = args.workdir
     work.mkdir(parents=True, exist_ok=True)
@@ -266,6 +270,8 @@ def main() -> int:
                 bench_random(args, server, smalls, cd_size, work)
             if "sequential" not in args.skip:
                 bench_sequential(args, server, big_at, big_size, work)
+            if "parallel" not in args.skip:
+                bench_parallel(args, server, smalls, work)
         finally:
             server.stop()
     return 0
@@ -396,6 +402,53 @@ def bench_sequential(args, server, big_at: int, big_size: int, work: Path) -> No
         f"  ({cores} cores here: when client + endpoint CPU per GiB, divided by the cores, is close to the"
         " seconds per GiB, the run is CPU-bound and the ratios compare CPU costs, not network use)"
     )
+
+
+def cdmlfs_parallel(
+    url: str, names: list[str], work: Path, presigned: bool, threads: int = 8
+) -> tuple[float, float]:
+    """(seconds, CPU seconds of the reader and the daemon) for ``threads`` readers of ``names``."""
+    saved = os.environ.get("CDMLFS_S3_PRESIGNED")
+    os.environ["CDMLFS_S3_PRESIGNED"] = "1" if presigned else "0"  # the daemon inherits it
+    try:
+        with mounted(
+            f"s3://{BUCKET}/{KEY}", work / "mnt-par", "--endpoint-url", url, log_file=work / "par.log"
+        ) as mnt:
+            daemon = int((work / ".mnt-par.pid").read_text().split()[0])
+            cpu0, started = own_cpu() + process_cpu(daemon), time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                got = sum(pool.map(lambda name: len((mnt / name).read_bytes()), names))
+            elapsed = time.perf_counter() - started
+            cpu = own_cpu() + process_cpu(daemon) - cpu0
+    finally:
+        if saved is None:
+            os.environ.pop("CDMLFS_S3_PRESIGNED", None)
+        else:
+            os.environ["CDMLFS_S3_PRESIGNED"] = saved
+    assert got == 2048 * len(names), got
+    return elapsed, cpu
+
+
+def bench_parallel(args, server, smalls, work: Path) -> None:
+    n = min(args.parallel_members, len(smalls))
+    print(f"\n== {n} random 2 KiB members, 8 threads, through a fresh mount, {args.rounds} rounds ==")
+    rng = random.Random(7)
+    rows: dict[str, list[tuple[float, float]]] = {"presigned GETs": [], "SDK get_object": []}
+    for r in range(args.rounds):
+        names = [i.filename for i in rng.sample(smalls, n)]
+        ways = list(rows) if r % 2 == 0 else list(reversed(rows))
+        for way in ways:
+            t, cpu = cdmlfs_parallel(server.url, names, work, presigned=way == "presigned GETs")
+            rows[way].append((t, cpu))
+            print(
+                f"  round {r + 1} {way:15s} {n / t:7.0f} files/s  CPU {cpu / n * 1e3:5.2f} ms/file",
+                flush=True,
+            )
+    med = {way: (median([t for t, _ in v]), median([c for _, c in v])) for way, v in rows.items()}
+    for way, (t, cpu) in med.items():
+        print(f"  {way:15s} median {n / t:7.0f} files/s  CPU {cpu / n * 1e3:5.2f} ms/file")
+    (tp, cp), (ts, cs) = med["presigned GETs"], med["SDK get_object"]
+    print(f"  presigned vs SDK: {ts / tp:.2f}x files/s, {cp / cs:.2f}x CPU per file")
 
 
 if __name__ == "__main__":
