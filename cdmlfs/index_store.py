@@ -52,6 +52,33 @@ def default_index_dir() -> str:
     return os.path.join(base, "cdmlfs", "index")
 
 
+def decompress_bounded(data: bytes, limit: int) -> bytes:
+    """The first zstd frame of ``data`` decoded; ValueError if it is damaged or decodes to more
+    than ``limit`` bytes.
+
+    python-zstandard's ``decompress(max_output_size=N)`` reserves N bytes up front for a frame that
+    does not state its size: with a limit of gigabytes that fails under an address-space limit or
+    strict overcommit (a MemoryError, not a rebuild). Such frames are read in pieces instead.
+    """
+    try:
+        size = zstandard.frame_content_size(data)
+        if size > limit:
+            raise ValueError(f"it declares {size} bytes, more than {limit}")
+        if size >= 0:
+            return zstandard.ZstdDecompressor().decompress(data)
+        reader = zstandard.ZstdDecompressor().stream_reader(data)
+        out = bytearray()
+        while chunk := reader.read(1 << 20):
+            out += chunk
+            if len(out) > limit:
+                raise ValueError(f"it decodes to more than {limit} bytes")
+        return bytes(out)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"undecodable ({exc})") from None
+    except MemoryError:
+        raise ValueError("too large for the memory available") from None
+
+
 class IndexStore:
     """A directory of persisted indexes. ``load``/``save`` never raise for I/O problems: they log."""
 
@@ -81,10 +108,16 @@ class IndexStore:
             # hang the mount or feed it gigabytes.
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             with open(fd, "rb") as f:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
                     log.warning("index file %s is not a regular file: rebuilding the index", path)
                     return None
-                raw = f.read(MAX_INDEX_FILE + HEADER.size + 1)
+                if st.st_size > MAX_INDEX_FILE + HEADER.size:
+                    log.warning("index file %s is too large to be ours: rebuilding the index", path)
+                    return None
+                # Its size, not the limit: read(N) reserves N bytes first, and 4 GiB at once fails
+                # under an address-space limit (ulimit -v) or strict overcommit.
+                raw = f.read(st.st_size)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -108,10 +141,7 @@ class IndexStore:
         body = raw[HEADER.size :]
         if len(body) != length or zlib.crc32(body) != crc:
             raise ValueError("checksum or length mismatch")
-        try:
-            plain = zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_INDEX_FILE)
-        except zstandard.ZstdError as exc:
-            raise ValueError(f"undecodable ({exc})") from None
+        plain = decompress_bounded(body, MAX_INDEX_FILE)
         pos = 0
         fields = []
         for _ in range(2):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import os
 import struct
@@ -23,7 +24,7 @@ from cdmlfs.archive import Archive
 from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, SourceError, UsageError
 from cdmlfs.formats import SNIFF_BYTES, TAIL_BYTES
 from cdmlfs.formats.tar import scan_tar
-from cdmlfs.formats.tarheader import build_header, parse_header, parse_pax, pax_record
+from cdmlfs.formats.tarheader import build_block, build_header, parse_header, parse_pax, pax_record
 from cdmlfs.formats.tarmembers import MemberTable, MemberTableError
 from cdmlfs.formats.zstdstream import ZstdScanView
 from cdmlfs.index import FILE
@@ -239,6 +240,145 @@ def test_an_index_file_that_is_a_fifo_does_not_hang(tmp_path: Path, many_files: 
     os.mkfifo(path)
     with Archive(str(archive), index_dir=str(idx)) as ar:  # a blocking open() waited forever here
         assert ar.format.index_source == "scan"
+
+
+def test_a_saved_index_reopens_under_an_address_space_limit(tmp_path: Path, many_files: Path) -> None:
+    """Loading a saved index asked for read(4 GiB) (and the decoder reserved 4 GiB for a frame of
+    unstated size): under ulimit -v, as on HPC nodes, every remount was a MemoryError traceback."""
+    archive = gnu_tar(tmp_path / "a.tar", many_files, "pax")
+    idx = tmp_path / "idx"
+    code = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+        "from cdmlfs.archive import Archive\n"
+        "with Archive(sys.argv[1], index_dir=sys.argv[2]) as ar:\n"
+        "    print(ar.format.index_source, len(ar.files()))\n"
+    )
+    runs = [
+        subprocess.run([sys.executable, "-c", code, str(archive), str(idx)], capture_output=True, text=True)
+        for _ in range(2)
+    ]
+    assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr
+    assert [r.stdout.split()[0] for r in runs] == ["scan", "cache"]
+    # A frame without a content size (not how we write one) is decoded in pieces, within the limit.
+    from cdmlfs.index_store import decompress_bounded
+
+    chunked = zstandard.ZstdCompressor().compressobj()
+    frame = chunked.compress(b"x" * 100_000) + chunked.flush()
+    assert zstandard.frame_content_size(frame) == -1
+    assert decompress_bounded(frame, 1 << 32) == b"x" * 100_000
+    with pytest.raises(ValueError, match="more than"):
+        decompress_bounded(frame, 50_000)
+
+
+def test_a_seek_table_swapping_sizes_of_unsized_frames_gives_eio_not_shifted_bytes(tmp_path: Path) -> None:
+    """Frames whose headers state no size (the reference seekable writer's), larger than one decode,
+    with sizes swapped in the seek table (the total right): pieces were served shifted by the
+    difference, wrong bytes and no error. Such a frame is now decoded to its end once first."""
+    from cdmlfs.zstd_seekable import seek_table_frame
+
+    big = b"".join(b"%08d\n" % i for i in range((12 << 20) // 9 + 10))[: 12 << 20]
+    data = _tar_bytes({"big": big, "after": b"after"})
+    cuts = [0, 512, 512 + (5 << 20), 512 + (12 << 20), len(data)]
+    frames, entries = [], []
+    for a, b in itertools.pairwise(cuts):
+        c = zstandard.ZstdCompressor(level=1, write_content_size=False).compressobj()
+        frames.append(c.compress(data[a:b]) + c.flush())
+        entries.append((len(frames[-1]), b - a))
+    lying = list(entries)
+    lying[1], lying[2] = (entries[1][0], entries[2][1]), (entries[2][0], entries[1][1])
+    for name, table in (("good", entries), ("lying", lying)):
+        path = tmp_path / f"{name}.tar.zst"
+        path.write_bytes(b"".join(frames) + seek_table_frame(table))
+        for attempt in ("scan", "cache"):  # the persisted index keeps where the sizes came from
+            with Archive(str(path), cache_size="16M", index_dir=str(tmp_path / "idx")) as ar:
+                assert ar.format.index_source == attempt
+                errors = 0
+                for at in (9 << 20, 11 << 20, 6 << 20, 0):  # where the shifted bytes were, first
+                    try:
+                        assert ar.read("big", at, 4096) == big[at : at + 4096], (name, at)  # never wrong
+                    except CorruptMemberError:
+                        errors += 1
+                assert errors == (0 if name == "good" else 4)  # a member that failed fails every read
+                assert ar.read("after") == b"after"
+
+
+def _blocks(*members: tuple) -> bytes:
+    """A tar built block by block: (name, data, typeflag[, mtime]) members, then the end blocks."""
+    out = b""
+    for name, data, typeflag, *rest in members:
+        mtime = rest[0] if rest else 1_700_000_000
+        out += build_block(name, 0o644, 0, 0, len(data), mtime, typeflag)
+        out += data + bytes(-len(data) % 512)
+    return out + bytes(1024)
+
+
+def _fix_checksum(block: bytes) -> bytes:
+    b = bytearray(block)
+    b[148:156] = b" " * 8
+    b[148:156] = b"%06o\0 " % sum(b)
+    return bytes(b)
+
+
+def _gnu_tar_names(path: Path) -> list[str]:
+    res = subprocess.run(["tar", "-tf", str(path)], capture_output=True, text=True)
+    return [n for n in res.stdout.splitlines() if n]
+
+
+def test_a_malformed_pax_record_costs_its_member_the_records_not_the_archive(tmp_path: Path, caplog) -> None:
+    """GNU tar and bsdtar warn and go on: one bad pax header (a length counted in characters, as
+    some writers do, or a bad length) made the whole archive unreadable. Empty values delete a
+    record (POSIX), so a local ``mtime=`` puts back the header's over a global one; an mtime that
+    is no number leaves the header's."""
+    rec = pax_record
+    path_chars = " path=dataset/é/ü.txt\n"
+    charlen = f"{len(path_chars) + 2}{path_chars}".encode()  # counted in characters, not bytes
+    archive = tmp_path / "pax.tar"
+    archive.write_bytes(
+        _blocks(
+            (b"PaxHeaders/g", rec("mtime", b"1234.5"), b"g"),
+            (b"globaltime", b"G", b"0"),
+            (b"PaxHeaders/e", rec("mtime", b""), b"x"),
+            (b"headertime", b"H", b"0", 1_600_000_000),
+            (b"PaxHeaders/c", charlen, b"x"),
+            (b"dataset/_/_.txt", b"abc", b"0"),
+            (b"PaxHeaders/l", b"30 path=wrongname\n", b"x"),
+            (b"badlength", b"2", b"0"),
+            (b"PaxHeaders/m", rec("mtime", b"abc"), b"x"),
+            (b"badtime", b"M", b"0", 1_500_000_000),
+            (b"PaxHeaders/s", rec("size", b""), b"x"),
+            (b"emptysize", b"SSSS", b"0"),
+            (b"after", b"A", b"0"),
+        )
+    )
+    with caplog.at_level(logging.WARNING), Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
+        assert sorted(ar.files()) == sorted(_gnu_tar_names(archive))
+        assert ar.read("dataset/_/_.txt") == b"abc" and ar.read("badlength") == b"2"
+        assert ar.read("emptysize") == b"SSSS" and ar.read("after") == b"A"
+        assert ar.stat("globaltime").mtime == 1234.5
+        assert ar.stat("headertime").mtime == 1_600_000_000  # the empty record deleted the global one
+        assert ar.stat("badtime").mtime == 1_500_000_000
+    text = caplog.text
+    assert "malformed pax record" in text and "is no time" in text
+
+
+def test_a_header_mode_or_mtime_that_is_no_number_gets_a_default(tmp_path: Path, caplog) -> None:
+    """Only the size says where the next header is: a non-octal mode or mtime field refused the
+    whole archive, where GNU tar warns and extracts everything."""
+    first = build_block(b"first", 0o644, 0, 0, 1, 1_700_000_000, b"0") + b"1" + bytes(511)
+    bad = bytearray(build_block(b"badmode", 0o644, 0, 0, 1, 1_700_000_000, b"0"))
+    bad[100:108] = b"0000689\0"
+    bad[136:148] = b"1234567890x\0"
+    archive = tmp_path / "fields.tar"
+    archive.write_bytes(
+        first + _fix_checksum(bytes(bad)) + b"M" + bytes(511) + _blocks((b"after", b"A", b"0"))
+    )
+    with caplog.at_level(logging.WARNING), Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
+        assert sorted(ar.files()) == sorted(_gnu_tar_names(archive)) == ["after", "badmode", "first"]
+        assert ar.read("badmode") == b"M" and ar.read("after") == b"A"
+        st = ar.stat("badmode")
+        assert st.mode & 0o777 == 0o644 and st.mtime == 0
+    assert "mode and mtime field is no number" in caplog.text
 
 
 def test_index_dir_default_respects_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import re
 import struct
 import time
 from array import array
@@ -66,7 +68,7 @@ from cdmlfs.formats.zstdstream import (
     check_empty_frames,
 )
 from cdmlfs.index import DIR, FILE, SYMLINK, Index
-from cdmlfs.index_store import IndexStore
+from cdmlfs.index_store import IndexStore, decompress_bounded
 from cdmlfs.sources.base import Source
 from cdmlfs.zstd_seekable import (
     SKIPPABLE_BASE,
@@ -238,28 +240,34 @@ class TarRecords:
                 if len(data) < h.size:
                     self.cut = pos
                     break
-                try:
-                    if typeflag == th.GNU_LONGNAME:
-                        long_name = th._cstr(data)
-                    elif typeflag == th.GNU_LONGLINK:
-                        long_link = th._cstr(data)
-                    elif typeflag == th.PAX_GLOBAL:
-                        for key, value in th.parse_pax(data).items():
-                            if key in _PER_MEMBER_ONLY:
-                                continue
-                            if value:
-                                global_pax[key] = value
-                            else:
-                                global_pax.pop(key, None)
-                    else:
-                        pax.update(th.parse_pax(data))
-                except th.TarHeaderError as exc:
-                    raise ArchiveFormatError(f"corrupt pax header at offset {pos}: {exc}") from None
+                problems: list[str] = []
+                if typeflag == th.GNU_LONGNAME:
+                    long_name = th._cstr(data)
+                elif typeflag == th.GNU_LONGLINK:
+                    long_link = th._cstr(data)
+                elif typeflag == th.PAX_GLOBAL:
+                    for key, value in th.parse_pax(data, problems).items():
+                        if key in _PER_MEMBER_ONLY:
+                            continue
+                        if value:
+                            global_pax[key] = value
+                        else:
+                            global_pax.pop(key, None)
+                else:
+                    pax.update(th.parse_pax(data, problems))
+                for problem in problems:
+                    log.warning("pax header at offset %d: %s; the records after it are ignored", pos, problem)
                 pos = header_end + th.round_up(h.size)
                 continue
             attrs = {**global_pax, **pax} if global_pax else pax
             size = h.size
             mtime: float = h.mtime
+            if h.unreadable:
+                log.warning(
+                    "tar header at offset %d: its %s field is no number; using a default",
+                    pos,
+                    " and ".join(h.unreadable),
+                )
             if attrs:
                 size, mtime = _pax_numbers(attrs, size, mtime, pos)
             if not 0 <= size <= MAX_MEMBER_SIZE:
@@ -421,16 +429,31 @@ def warn_about_end(members: MemberTable, where: str) -> None:
         log.warning("%s: the tar stream %s: listing what came before", where, members.ending)
 
 
+_PAX_SIZE = re.compile(rb"[0-9]{1,20}")
+_PAX_TIME = re.compile(rb"-?[0-9]{1,20}(\.[0-9]{0,20})?")
+
+
 def _pax_numbers(attrs: dict[str, bytes], size: int, mtime: float, pos: int) -> tuple[int, float]:
-    try:
-        if "size" in attrs:
-            size = int(attrs["size"])
-        if "mtime" in attrs:
-            mtime = float(attrs["mtime"])
-    except ValueError:
-        raise ArchiveFormatError(f"corrupt pax size/mtime record for the member at offset {pos}") from None
-    if not 0 <= size <= MAX_MEMBER_SIZE:
-        raise ArchiveFormatError(f"impossible member size {size} in the pax header at offset {pos}")
+    """The member's size and mtime with its pax records applied.
+
+    An empty value deletes the record (POSIX: the header's field stands, even over a global
+    record). A size that is no number loses the archive (where the next header is would be a
+    guess); an mtime that is no number, or none a stat field can hold, leaves the header's.
+    """
+    raw = attrs.get("size")
+    if raw:
+        if not _PAX_SIZE.fullmatch(raw):
+            raise ArchiveFormatError(f"corrupt pax size record {raw[:40]!r} for the member at offset {pos}")
+        size = int(raw)
+        if not 0 <= size <= MAX_MEMBER_SIZE:
+            raise ArchiveFormatError(f"impossible member size {size} in the pax header at offset {pos}")
+    raw = attrs.get("mtime")
+    if raw:
+        value = float(raw) if _PAX_TIME.fullmatch(raw) else math.nan
+        if -MAX_MTIME <= value <= MAX_MTIME:
+            mtime = value
+        else:
+            log.warning("pax header at offset %d: mtime %r is no time; the header's stands", pos, raw[:40])
     return size, mtime
 
 
@@ -597,8 +620,6 @@ def encode_embedded_index(members: MemberTable) -> bytes:
 def decode_embedded_index(payload: bytes) -> MemberTable:
     import zlib
 
-    import zstandard
-
     if not payload.startswith(EMBEDDED_INDEX_MAGIC):
         raise ValueError("not a cdmlfs member table")
     pos = len(EMBEDDED_INDEX_MAGIC)
@@ -612,8 +633,4 @@ def decode_embedded_index(payload: bytes) -> MemberTable:
     body = payload[pos + hlen :]
     if len(body) != length or zlib.crc32(body) != crc:
         raise ValueError("checksum mismatch")
-    try:
-        plain = zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 32)
-    except zstandard.ZstdError as exc:
-        raise ValueError(str(exc)) from None
-    return MemberTable.decode(plain)
+    return MemberTable.decode(decompress_bounded(body, 1 << 32))

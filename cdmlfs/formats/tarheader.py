@@ -48,6 +48,7 @@ class RawHeader(NamedTuple):
     typeflag: bytes
     linkname: bytes
     old_gnu_sparse_extended: bool  # an old-GNU sparse header continues in extra 512-byte blocks
+    unreadable: tuple[str, ...] = ()  # mode/mtime fields that are no number (defaults stand in)
 
 
 def round_up(n: int) -> int:
@@ -118,39 +119,68 @@ def parse_header(block: bytes) -> RawHeader:
             name = prefix + b"/" + name
     elif magic == b"ustar " and typeflag == GNU_SPARSE:  # old GNU: the prefix area holds sparse data
         sparse_ext = bool(block[482])
+    # Only the size is vital (it says where the next header is): a mode or mtime that is no number
+    # gets a default and a warning, as GNU tar gives them, rather than losing the whole archive.
+    unreadable = []
+    try:
+        mode = parse_number(block[100:108])
+    except TarHeaderError:
+        mode = 0o755 if typeflag == DIRTYPE or name.endswith(b"/") else 0o644
+        unreadable.append("mode")
+    try:
+        mtime = parse_number(block[136:148])
+    except TarHeaderError:
+        mtime = 0
+        unreadable.append("mtime")
     return RawHeader(
         name=name,
-        mode=parse_number(block[100:108]),
+        mode=mode,
         size=parse_number(block[124:136]),
-        mtime=parse_number(block[136:148]),
+        mtime=mtime,
         typeflag=typeflag,
         linkname=_cstr(block[157:257]),
         old_gnu_sparse_extended=sparse_ext,
+        unreadable=tuple(unreadable),
     )
 
 
-def parse_pax(data: bytes) -> dict[str, bytes]:
-    """Records ``"<len> <key>=<value>\\n"`` of a pax extended header; values stay bytes."""
+def parse_pax(data: bytes, problems: list[str] | None = None) -> dict[str, bytes]:
+    """Records ``"<len> <key>=<value>\\n"`` of a pax extended header; values stay bytes.
+
+    A malformed record raises TarHeaderError; with ``problems``, it is described there instead
+    and the records before it are returned (no record after it can be found for sure: GNU tar
+    and bsdtar also warn and go on with the member's own header).
+    """
     out: dict[str, bytes] = {}
     pairs: list[bytes] = []
     pos = 0
     end = len(data)
+
+    def malformed(why: str) -> None:
+        if problems is None:
+            raise TarHeaderError(why)
+        problems.append(f"{why} at byte {pos} of {end}")
+
     while pos < end:
         if data[pos] == 0:  # NUL padding after the last record
             break
         sp = data.find(b" ", pos, pos + 24)
         if sp < 0:
-            raise TarHeaderError("malformed pax record (no length)")
-        try:
-            length = int(data[pos:sp])
-        except ValueError:
-            raise TarHeaderError("malformed pax record length") from None
+            malformed("malformed pax record (no length)")
+            break
+        digits = data[pos:sp]
+        if not digits.isdigit():
+            malformed("malformed pax record length")
+            break
+        length = int(digits)
         rec_end = pos + length
         if length <= sp - pos + 1 or rec_end > end or data[rec_end - 1] != 0x0A:
-            raise TarHeaderError("malformed pax record")
+            malformed("malformed pax record")
+            break
         eq = data.find(b"=", sp + 1, rec_end)
         if eq < 0:
-            raise TarHeaderError("malformed pax record (no '=')")
+            malformed("malformed pax record (no '=')")
+            break
         key = data[sp + 1 : eq].decode("utf-8", "surrogateescape")
         value = data[eq + 1 : rec_end - 1]
         if key in _SPARSE_00_KEYS:  # GNU sparse 0.0 repeats these: the pairs, in order, as 0.1's map

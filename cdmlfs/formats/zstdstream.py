@@ -92,10 +92,13 @@ def _zstd_error(exc: Exception, what: str) -> CorruptMemberError | MemoryError:
 
 
 # -- frame table -----------------------------------------------------------------
+TABLE_SIZES_UNMEASURED = 1 << 63  # encoded frame tables: set in the count when sizes came from a seek table
+
+
 class FrameTable:
     """Data frames (skippable and empty frames dropped): where each lies and which bytes it decodes to."""
 
-    __slots__ = ("comp_offset", "comp_size", "dec_offset", "dec_size", "total")
+    __slots__ = ("comp_offset", "comp_size", "dec_offset", "dec_size", "sizes_measured", "total")
 
     def __init__(self) -> None:
         self.comp_offset = array("Q")
@@ -103,6 +106,10 @@ class FrameTable:
         self.dec_offset = array("Q")
         self.dec_size = array("Q")
         self.total = 0
+        # False: sizes were taken from a seek table, not measured by decoding. A frame whose header
+        # does not state its size either is then decoded to its end once before it is served in
+        # pieces: a table that lies, sizes swapped between frames, would otherwise shift the bytes.
+        self.sizes_measured = True
 
     def __len__(self) -> int:
         return len(self.dec_size)
@@ -127,13 +134,14 @@ class FrameTable:
             if f.content_size is None:
                 raise ValueError("frame sizes must be known")
             table.add(f.offset, f.comp_size, f.content_size)
+        table.sizes_measured = False
         return table
 
     def largest(self) -> int:
         return max(self.dec_size, default=0)
 
     def encode(self) -> bytes:
-        head = array("Q", [len(self)]).tobytes()
+        head = array("Q", [len(self) | (0 if self.sizes_measured else TABLE_SIZES_UNMEASURED)]).tobytes()
         return head + self.comp_offset.tobytes() + self.comp_size.tobytes() + self.dec_size.tobytes()
 
     @classmethod
@@ -143,7 +151,7 @@ class FrameTable:
             raise ValueError("frame table is truncated")
         head = array("Q")
         head.frombytes(data[:8])
-        n = head[0]
+        n = head[0] & ~TABLE_SIZES_UNMEASURED
         if len(data) != 8 + 24 * n:
             raise ValueError("frame table has the wrong length")
         cols = []
@@ -158,6 +166,7 @@ class FrameTable:
                 raise ValueError("frame table does not fit the archive")
             prev_end = off + comp
             table.add(off, comp, dec)
+        table.sizes_measured = not head[0] & TABLE_SIZES_UNMEASURED
         return table
 
 
@@ -292,6 +301,7 @@ class ZstdStream:
         self._worker: threading.Thread | None = None
         self._seen: Hashable | None = None
         self._frames = self._new_frame_worker()
+        self._sizes_checked: set[int] = set()  # frames decoded once to check the table's size
 
     def _new_frame_worker(self) -> zstdframes.FrameWorker | None:
         """The frame worker, once ``bound_extents`` chose to use one (``_spare_size``)."""
@@ -518,6 +528,10 @@ class ZstdStream:
 
     def _check_frame(self, i: int, head: bytes | memoryview) -> str:
         """Sanity of frame ``i`` against the table before decoding; returns its name for errors."""
+        return self._check_header(i, head)[0]
+
+    def _check_header(self, i: int, head: bytes | memoryview) -> tuple[str, bool]:
+        """``_check_frame``, and whether the frame's header states its size (then checked)."""
         fr = self.frames
         where = self._check_sizes(i)
         expected = fr.dec_size[i]
@@ -529,7 +543,29 @@ class ZstdStream:
             raise CorruptMemberError(
                 f"{where} declares {header.content_size} bytes but the index says {expected}"
             )
-        return where
+        return where, header.content_size is not None
+
+    def _check_size_by_decoding(self, i: int, where: str) -> None:
+        """Decode frame ``i`` to its end once, counting (see ``FrameTable.sizes_measured``)."""
+        fr = self.frames
+        dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
+        raw = SourceRange(self.source, fr.comp_offset[i], fr.comp_size[i])
+        reader = dctx.stream_reader(raw, read_size=SCAN_CHUNK, read_across_frames=False)
+        scratch = bytearray(SCAN_CHUNK)
+        n = 0
+        try:
+            while (k := reader.readinto(scratch)) > 0:
+                n += k
+                if n > fr.dec_size[i]:
+                    break
+        except zstandard.ZstdError as exc:
+            raise _zstd_error(exc, where) from None
+        if n != fr.dec_size[i]:
+            got = f"more than {fr.dec_size[i]}" if n > fr.dec_size[i] else str(n)
+            raise CorruptMemberError(
+                f"{where} decodes to {got} bytes, not the {fr.dec_size[i]} its seek table says"
+            )
+        self._sizes_checked.add(i)
 
     def _frame_span(self, i: int) -> zstdframes.FrameSpan:
         """Frame ``i`` for :class:`zstdframes.FrameWorker`, its sizes checked against the table."""
@@ -722,7 +758,10 @@ class ZstdStream:
                     if cur.reader is not None:
                         log.debug("%s: decoder restarts for byte %d (it was at %d)", where, target, cur.pos)
                     # The header's content size against the table, as whole frames are checked.
-                    self._check_frame(i, self.source.read_at(fr.comp_offset[i], min(18, fr.comp_size[i])))
+                    head = self.source.read_at(fr.comp_offset[i], min(18, fr.comp_size[i]))
+                    where, stated = self._check_header(i, head)
+                    if not (stated or fr.sizes_measured or i in self._sizes_checked):
+                        self._check_size_by_decoding(i, where)
                     dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
                     raw = SourceRange(self.source, fr.comp_offset[i], fr.comp_size[i])
                     cur.reader = dctx.stream_reader(raw, read_size=SCAN_CHUNK, read_across_frames=False)
@@ -1017,6 +1056,7 @@ class ZstdScanView:
     def frame_table(self) -> FrameTable:
         """Frames up to the first one whose size is still unknown (nothing after it holds members)."""
         table = FrameTable()
+        table.sizes_measured = self._walker is not None  # frames found as decoded, not from a seek table
         for frame, size in zip(self.frames, self.sizes):
             if frame.skippable:
                 continue
