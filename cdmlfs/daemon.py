@@ -22,9 +22,7 @@ import logging
 import os
 import select
 import signal
-import stat as statmod
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterable
@@ -35,6 +33,7 @@ from cdmlfs.archive import Archive
 from cdmlfs.errors import CdmlfsError, UsageError
 from cdmlfs.fuse_ops import ArchiveOperations, load_mfusepy, make_fuse_class
 from cdmlfs.mountpoints import is_mounted, unmount
+from cdmlfs.safe_write import private_temp_dir
 from cdmlfs.sizes import human_bytes
 
 log = logging.getLogger(__name__)
@@ -258,16 +257,8 @@ def _state_dir() -> str:
             return preferred
     except OSError:
         pass
-    fallback = os.path.join(tempfile.gettempdir(), f"cdmlfs-{os.getuid()}")
-    try:
-        os.mkdir(fallback, 0o700)
-    except FileExistsError:
-        pass
-    except OSError:
-        return preferred
-    st = os.lstat(fallback)
-    # Ours alone: another user's folder (or a link planted there) is never written into.
-    if statmod.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+    fallback = private_temp_dir()
+    if fallback is not None:
         return fallback
     return preferred  # the caller's check then says what is wrong with it
 

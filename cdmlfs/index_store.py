@@ -31,6 +31,7 @@ import zlib
 import zstandard
 
 from cdmlfs.errors import UsageError
+from cdmlfs.safe_write import private_temp_dir
 from cdmlfs.sources.base import SourceIdentity
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,15 @@ def decompress_bounded(data: bytes, limit: int) -> bytes:
         raise ValueError("too large for the memory available") from None
 
 
+def _usable_dir(path: str) -> bool:
+    """``path`` exists or can be made, and this user can write files in it."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(path, os.W_OK | os.X_OK)
+
+
 class IndexStore:
     """A directory of persisted indexes. ``load``/``save`` never raise for I/O problems: they log."""
 
@@ -87,6 +97,12 @@ class IndexStore:
         if directory and os.path.exists(self.directory) and not os.path.isdir(self.directory):
             # Asked for by name (--index-dir): a mistake worth one clear line, not a warning per use.
             raise UsageError(f"index directory {self.directory}: not a directory")
+        if not directory and not _usable_dir(self.directory):
+            # A read-only or missing home (HOME=/ in a container run under any uid): every mount
+            # scanned again. A private folder in the temporary directory keeps the indexes instead.
+            fallback = private_temp_dir()
+            if fallback is not None:
+                self.directory = os.path.join(fallback, "index")
 
     def path_for(self, identity: SourceIdentity) -> str:
         """One file per archive location: the base name (for humans) plus 64 bits of a location hash.
@@ -111,6 +127,16 @@ class IndexStore:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
                     log.warning("index file %s is not a regular file: rebuilding the index", path)
+                    return None
+                if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                    # In a shared --index-dir another user could plant an index (the key it must
+                    # hold is what stat shows) that maps names to other bytes of the archive.
+                    log.warning(
+                        "index file %s is not this user's own (owner uid %d, mode %o): rebuilding the index",
+                        path,
+                        st.st_uid,
+                        st.st_mode & 0o777,
+                    )
                     return None
                 if st.st_size > MAX_INDEX_FILE + HEADER.size:
                     log.warning("index file %s is too large to be ours: rebuilding the index", path)

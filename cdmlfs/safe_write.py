@@ -1,4 +1,4 @@
-"""Extracted files are written where they belong, whole or not at all.
+"""Extracted files are written where they belong, whole or not at all (and state, where only we write).
 
 An archive (or an earlier extraction into the same directory) can leave a
 symlink where a file or its temporary copy is about to be written. Opening such
@@ -15,10 +15,29 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
 from typing import BinaryIO
 
 from cdmlfs.errors import UsageError
+
+
+def private_temp_dir() -> str | None:
+    """``$TMPDIR/cdmlfs-UID``, made ``0700`` if missing, when it is ours alone (a directory this user
+    owns that nobody else may enter): where state goes when the home directory cannot take it (a
+    read-only or missing home; ``HOME=/`` for a container run under an arbitrary uid). None when
+    there is no such place: another user's folder, or a link planted there, is never written into."""
+    path = os.path.join(tempfile.gettempdir(), f"cdmlfs-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return None
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+        return path
+    return None
 
 
 def is_under(root: str, path: str) -> bool:

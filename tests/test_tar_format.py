@@ -397,6 +397,44 @@ def test_unwritable_index_dir_still_opens(tmp_path: Path, many_files: Path) -> N
     assert IndexStore(str(blocker / "idx")).load(ar.source.identity, "tar/1") is None
 
 
+def test_an_index_file_of_another_user_is_not_trusted(tmp_path: Path, many_files: Path, caplog) -> None:
+    """In a shared --index-dir another user could plant an index for our archive (the key it must
+    hold is what stat shows) mapping names to other bytes: only our own files are used."""
+    archive = gnu_tar(tmp_path / "a.tar", many_files, "pax")
+    idx = tmp_path / "idx"
+    with Archive(str(archive), index_dir=str(idx)) as ar:
+        path = Path(IndexStore(str(idx)).path_for(ar.source.identity))
+    for change in (lambda: os.chown(path, 12345, 12345), lambda: os.chmod(path, 0o666)):
+        change()
+        with caplog.at_level(logging.WARNING), Archive(str(archive), index_dir=str(idx)) as ar:
+            assert ar.format.index_source == "scan"
+        assert "not this user's own" in caplog.text
+        caplog.clear()
+        with Archive(str(archive), index_dir=str(idx)) as ar:  # saved again, ours: used
+            assert ar.format.index_source == "cache"
+
+
+def test_a_home_that_cannot_take_the_index_keeps_it_in_a_private_temp_dir(
+    tmp_path: Path, many_files: Path
+) -> None:
+    """HOME=/ (a container run under an arbitrary uid) or a read-only home: every mount of a tar
+    scanned it again. The index goes to $TMPDIR/cdmlfs-UID/index, ours alone."""
+    archive = gnu_tar(tmp_path / "a.tar", many_files, "pax")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME",)}
+    env.update(HOME="/proc/self", TMPDIR=str(tmp))
+    code = "import sys\nfrom cdmlfs.archive import Archive\nprint(Archive(sys.argv[1]).format.index_source)"
+    runs = [
+        subprocess.run([sys.executable, "-c", code, str(archive)], capture_output=True, text=True, env=env)
+        for _ in range(2)
+    ]
+    assert [r.stdout.strip() for r in runs] == ["scan", "cache"], runs[0].stderr
+    private = tmp / f"cdmlfs-{os.getuid()}"
+    assert private.stat().st_mode & 0o777 == 0o700
+    assert len(list((private / "index").glob("*.idx"))) == 1
+
+
 # -- frames ---------------------------------------------------------------------------------
 def test_packed_archive_needs_no_decoding_to_open_and_one_frame_per_member(tmp_path: Path) -> None:
     src = tmp_path / "src"

@@ -11,15 +11,15 @@ class SourceIdentity(NamedTuple):
     """What makes two openings of a source the same bytes.
 
     Used as a key for persisted indexes and by a pickled Archive to refuse another
-    version when it reopens: ``location`` plus either (size, mtime, ctime, device
-    and inode) for a file or (size, ETag) for an object. S3 reads are also pinned
+    version when it reopens: ``location`` plus either (size, mtime, ctime and inode)
+    for a file or (size, ETag) for an object. S3 reads are also pinned
     to the ETag while open; a local file changed in place while open is caught
     only by the formats' own checks (ZIP CRCs, zstd checksums; plain tar has none).
     """
 
     location: str
     size: int
-    version: str  # mtime.ctime.dev.inode for local files, ETag for objects
+    version: str  # mtime.ctime.inode for local files, ETag for objects
 
     def key(self) -> str:
         return f"{self.location}\0{self.size}\0{self.version}"

@@ -41,9 +41,9 @@ class LocalFile:
         # mtime alone missed a file rewritten in place or replaced by a same-sized one with its
         # mtime put back (touch -r): a persisted tar index was then trusted for other bytes. The
         # inode changes when a file is replaced, the ctime on any write (and touch cannot set it).
-        self.identity = SourceIdentity(
-            self.path, self.size, f"{st.st_mtime_ns}.{st.st_ctime_ns}.{st.st_dev}.{st.st_ino}"
-        )
+        # Not the device number: NFS clients each number the same export differently, and nodes
+        # sharing a home then took each other's saved index for stale, each scanning again.
+        self.identity = SourceIdentity(self.path, self.size, f"{st.st_mtime_ns}.{st.st_ctime_ns}.{st.st_ino}")
         self.mtime = st.st_mtime
         self.bytes_read = 0  # through read_at (for cdmlfs stats)
 
