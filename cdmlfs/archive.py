@@ -30,7 +30,7 @@ from cdmlfs.errors import (
     SourceChangedError,
 )
 from cdmlfs.formats import open_format
-from cdmlfs.index import DIR, FILE, SYMLINK, EntryStat, Index
+from cdmlfs.index import DIR, FILE, SPARSE, SYMLINK, EntryStat, Index
 from cdmlfs.reader import ExtentReader
 from cdmlfs.safe_write import check_inside, write_atomically
 from cdmlfs.sizes import parse_size
@@ -500,7 +500,8 @@ class Archive:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
         raw = MemberFile(self.reader, eid, index.paths[eid])
-        write_atomically(out, raw, mode=index.mode[eid], mtime=index.mtime[eid], chunk=chunk)
+        sparse = bool(index.flags[data] & SPARSE)
+        write_atomically(out, raw, mode=index.mode[eid], mtime=index.mtime[eid], chunk=chunk, sparse=sparse)
         if linked:
             written[data] = out  # type: ignore[index]
 

@@ -52,14 +52,28 @@ def check_inside(root: str, out: str) -> None:
         raise UsageError(f"refusing to write {out}: its directory resolves to {where}, outside {root}")
 
 
+HOLE_GRAIN = 4 << 10  # zero blocks of this size (a file system block) become holes in a sparse copy
+
+
 def write_atomically(
-    out: str, src: BinaryIO, mode: int = 0o644, mtime: float | None = None, chunk: int = 4 << 20
+    out: str,
+    src: BinaryIO,
+    mode: int = 0o644,
+    mtime: float | None = None,
+    chunk: int = 4 << 20,
+    sparse: bool = False,
 ) -> None:
-    """Copy ``src`` to the file ``out`` (created or replaced whole) with ``mode`` and ``mtime``."""
+    """Copy ``src`` to the file ``out`` (created or replaced whole) with ``mode`` and ``mtime``.
+
+    ``sparse``: zero runs are left as holes (``tar -x`` of a sparse member makes a sparse file;
+    a disk image of mostly holes would otherwise fill the disk it is extracted to)."""
     fd, tmp = tempfile.mkstemp(prefix=".cdmlfs-", suffix=".partial", dir=os.path.dirname(out) or ".")
     try:
         with os.fdopen(fd, "wb") as f:
-            shutil.copyfileobj(src, f, chunk)
+            if sparse:
+                _copy_with_holes(src, f, max(chunk, HOLE_GRAIN))
+            else:
+                shutil.copyfileobj(src, f, chunk)
             f.flush()  # the last bytes still buffered would be written after utime, and move the mtime
             os.fchmod(f.fileno(), mode)
             if mtime is not None:
@@ -69,3 +83,19 @@ def write_atomically(
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _copy_with_holes(src: BinaryIO, f: BinaryIO, chunk: int) -> None:
+    """``shutil.copyfileobj`` that seeks over zero grains instead of writing them."""
+    zeros = bytes(HOLE_GRAIN)
+    end = 0
+    while data := src.read(chunk):
+        view = memoryview(data)
+        for at in range(0, len(view), HOLE_GRAIN):
+            grain = view[at : at + HOLE_GRAIN]
+            if len(grain) == HOLE_GRAIN and grain == zeros:
+                f.seek(HOLE_GRAIN, os.SEEK_CUR)
+            else:
+                f.write(grain)
+        end += len(view)
+    f.truncate(end)  # a hole at the end: the size still counts it

@@ -288,6 +288,23 @@ def test_sparse_members_read_as_tar_extracts_them(how: str, tmp_path: Path, mnt:
     assert tree(extract(packed, tmp_path / "from-packed")) == expected
 
 
+def test_cdmlfs_extract_leaves_the_holes_of_sparse_members(tmp_path: Path) -> None:
+    """As tar -x: a sparse member extracts to a sparse file (a 1 MiB hole took 2,048 blocks; a disk
+    image of mostly holes could fill the disk it was extracted to)."""
+    src = _sparse_tree(tmp_path / "src")
+    archive = tmp_path / "s.tar"
+    subprocess.run(["tar", "--sparse", "--format=gnu", "-C", str(src), "-cf", str(archive), "."], check=True)
+    res = run_cli(
+        "extract", "--index-dir", str(tmp_path / "idx"), str(archive), "", "-C", str(tmp_path / "out")
+    )
+    assert res.returncode == 0, res.stderr.decode()
+    out = tmp_path / "out"
+    assert tree(out) == tree(extract(archive, tmp_path / "ref"))
+    assert os.stat(out / "hole.bin").st_size == 3 << 20 and os.stat(out / "hole.bin").st_blocks == 0
+    assert os.stat(out / "many.bin").st_blocks <= 2 * 50 * 4096 // 512  # its 50 data blocks, not every byte
+    assert os.stat(out / "plain.txt").st_blocks > 0
+
+
 def test_extracting_a_folder_makes_hard_links_again(src: Path, tmp_path: Path) -> None:
     """As tar -x does: the names of one file in the archive share one inode once extracted."""
     archive = gnu_tar(tmp_path / "h.tar", src, "gnu")
