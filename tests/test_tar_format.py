@@ -6,6 +6,7 @@ import io
 import itertools
 import logging
 import os
+import random
 import struct
 import subprocess
 import sys
@@ -395,6 +396,36 @@ def test_unwritable_index_dir_still_opens(tmp_path: Path, many_files: Path) -> N
     with Archive(str(archive), index_dir=str(blocker / "idx")) as ar:
         assert len(ar.files()) == 200
     assert IndexStore(str(blocker / "idx")).load(ar.source.identity, "tar/1") is None
+
+
+def test_bytes_after_the_last_frame_of_an_ended_tar_are_a_warning(tmp_path: Path, caplog) -> None:
+    """Garbage after the last zstd frame refused the archive even though the tar had ended: GNU
+    tar lists (and extracts) every member of such a file. A tar cut before its end blocks, with
+    garbage after, is still refused (members may be missing)."""
+    whole = _tar_bytes({"a.txt": b"A" * 1000, "b.txt": b"B" * 3000})
+    ended = tmp_path / "ended.tar.zst"
+    ended.write_bytes(zstandard.ZstdCompressor().compress(whole) + b"GARBAGE!" * 100)
+    with caplog.at_level(logging.WARNING), Archive(str(ended), index_dir=str(tmp_path / "idx")) as ar:
+        assert sorted(ar.files()) == ["a.txt", "b.txt"] and ar.read("b.txt") == b"B" * 3000
+    assert "after the end of the tar: ignored" in caplog.text
+    cut = tmp_path / "cut.tar.zst"
+    cut.write_bytes(zstandard.ZstdCompressor().compress(whole[:1536]) + b"GARBAGE!" * 100)
+    with pytest.raises(ArchiveFormatError, match="no zstd frame"):
+        Archive(str(cut), index_dir=str(tmp_path / "idx"))
+
+
+def test_a_frame_compressed_with_a_dictionary_says_so(tmp_path: Path) -> None:
+    """It read 'corrupt zstd frame ... Dictionary mismatch': the file is fine, it needs zstd -D."""
+    rng = random.Random(0)
+    words = [b"alpha", b"beta", b"gamma", b"tensor", b"batch"]
+    samples = [b" ".join(rng.choice(words) for _ in range(200)) for _ in range(400)]
+    dictionary = zstandard.train_dictionary(16384, samples)
+    archive = tmp_path / "dict.tar.zst"
+    archive.write_bytes(
+        zstandard.ZstdCompressor(dict_data=dictionary).compress(_tar_bytes({"a": samples[0]}))
+    )
+    with pytest.raises(ArchiveFormatError, match=r"compressed with a dictionary \(zstd -D\)"):
+        Archive(str(archive), index_dir=str(tmp_path / "idx"))
 
 
 def test_an_index_file_of_another_user_is_not_trusted(tmp_path: Path, many_files: Path, caplog) -> None:

@@ -533,7 +533,7 @@ class TarFormat:
         not_tar = False
         try:
             end = scan_tar(view, members)
-            view.finish(end)
+            view.finish(end, tar_ended=not members.ending)
         except ArchiveFormatError as exc:
             if len(members) != 0 or "not a tar" not in str(exc):
                 raise

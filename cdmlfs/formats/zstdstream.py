@@ -83,6 +83,10 @@ _LONG_WINDOW_HINT = "decompress the archive (zstd -d --long=31) and 'cdmlfs pack
 def _zstd_error(exc: Exception, what: str) -> CorruptMemberError | MemoryError:
     if "Allocation error" in str(exc):  # memory pressure, not damage: never a lasting corrupt verdict
         return MemoryError(f"{what}: {exc}")
+    if "Dictionary mismatch" in str(exc):  # not damage: a frame compressed with a dictionary (zstd -D)
+        return CorruptMemberError(
+            f"{what} was compressed with a dictionary (zstd -D), which cdmlfs does not take"
+        )
     if "too much memory" in str(exc):  # a frame written with zstd --long: not damage (see check_window)
         return CorruptMemberError(
             f"{what} needs a decoding window over {MAX_WINDOW >> 20} MiB (written with zstd --long): "
@@ -973,6 +977,12 @@ class ZstdScanView:
                         return True
             except zstandard.ZstdError as exc:
                 frame = self.frames[self._fi]
+                if "Dictionary mismatch" in str(exc):
+                    raise ArchiveFormatError(
+                        f"zstd frame #{self._fi} at offset {frame.offset} was compressed with a dictionary "
+                        "(zstd -D), which cdmlfs does not take: decompress it with that dictionary "
+                        "(zstd -d -D DICT) and pack the tar again"
+                    ) from None
                 raise ArchiveFormatError(
                     f"corrupt zstd frame #{self._fi} at offset {frame.offset}: {exc} "
                     "(the archive cannot be indexed past it)"
@@ -1036,9 +1046,13 @@ class ZstdScanView:
         self._frame_start = self._pos
         self._reader = None
 
-    def finish(self, end: int) -> None:
+    def finish(self, end: int, tar_ended: bool = False) -> None:
         """The scan is over at decoded offset ``end``: decode the rest of the current frame for its
-        size (and, walking, check that the rest of the file is a sequence of frames)."""
+        size (and, walking, check that the rest of the file is a sequence of frames).
+
+        ``tar_ended``: the tar stopped at its end-of-archive blocks, so bytes after the last frame
+        that are no frame hold no member: a warning, not a refusal (``tar --zstd -x`` extracts
+        everything from such a file)."""
         if self._reader is not None:
             try:
                 while (n := self._reader.readinto(self._scratch)) > 0:
@@ -1046,10 +1060,15 @@ class ZstdScanView:
             except zstandard.ZstdError as exc:
                 raise ArchiveFormatError(f"corrupt zstd frame #{self._fi}: {exc}") from None
             self._end_frame()
-        while self._discover():
-            self._fi = len(self.frames) - 1
-            if not self.frames[self._fi].skippable:
-                self._passed()
+        try:
+            while self._discover():
+                self._fi = len(self.frames) - 1
+                if not self.frames[self._fi].skippable:
+                    self._passed()
+        except ArchiveFormatError as exc:
+            if not tar_ended:
+                raise
+            log.warning("%s: %s, after the end of the tar: ignored", self.source.identity.location, exc)
         if self._progress is not None:
             self._progress(self.source.size, self.source.size)
 
