@@ -17,7 +17,7 @@ from typing import Any
 from cdmlfs_torch import handles
 from cdmlfs_torch._compat import Dataset
 from cdmlfs_torch.loaders import default_loader
-from cdmlfs_torch.roots import ArchiveTree, SampleNotFoundError, Tree, resolve_root
+from cdmlfs_torch.roots import ArchiveTree, SampleNotFoundError, Tree, resolve_root, sample_errors
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 """The extensions torchvision's ImageFolder accepts (compared case-insensitively)."""
@@ -220,7 +220,8 @@ class ArchiveDatasetFolder(Dataset):
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         path, target = self.samples[index]
         if isinstance(self.tree, ArchiveTree):
-            self.tree.archive  # noqa: B018 - open this process's handle with this dataset's options
+            with sample_errors(path):  # an archive gone by then: an OSError like any sample's
+                self.tree.archive  # noqa: B018 - open this process's handle with this dataset's options
             try:
                 sample = self.loader(path)
             except FileNotFoundError as exc:

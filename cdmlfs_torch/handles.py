@@ -30,6 +30,7 @@ worker, and samples of a shuffled epoch are read once, so a big cache buys nothi
 
 _lock = threading.Lock()
 _open: dict[str, Archive] = {}
+_retired: list[Archive] = []  # handles of versions replaced since (closed by close_all)
 
 
 def _reset_lock_after_fork() -> None:
@@ -41,32 +42,46 @@ def _reset_lock_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_lock_after_fork)
 
 
-def get_archive(location: str, **open_kwargs: Any) -> Archive:
+def get_archive(location: str, *, revalidate: bool = False, **open_kwargs: Any) -> Archive:
     """The process's handle for ``location``, opened on first use with ``open_kwargs``.
 
     A later call with different options gets the handle already open (one index
     and cache per archive and process); pass the options on the first call.
+
+    ``revalidate`` (a dataset being made): if the location holds other bytes now than when the
+    handle was opened (a file replaced or touched: a stat; an object replaced: a HEAD request),
+    a new handle serves from now on. Without it, a process kept the first version for good: a
+    new dataset listed the old contents, and spawned workers refused it every epoch.
     """
     archive = _open.get(location)
-    if archive is not None:
+    if archive is not None and not (revalidate and _changed(archive)):
         return archive
     with _lock:
-        archive = _open.get(location)
-        if archive is None:
+        current = _open.get(location)
+        if current is None or current is archive:  # not replaced meanwhile by another thread
             import cdmlfs
 
             open_kwargs.setdefault("cache_size", DEFAULT_CACHE_SIZE)
-            archive = cdmlfs.open(location, **open_kwargs)
-            _open[location] = archive
-        return archive
+            fresh = cdmlfs.open(location, **open_kwargs)
+            if current is not None:
+                _retired.append(current)  # datasets of the old version may still be reading
+            _open[location] = current = fresh
+        return current
+
+
+def _changed(archive: Archive) -> bool:
+    probe = getattr(archive.source, "probe_identity", None)
+    return probe is not None and probe() != archive.source.identity
 
 
 def close_all() -> None:
     """Close this process's handles (tests, or a long-lived process that is done with its data)."""
-    global _open
+    global _open, _retired
     with _lock:
-        handles, _open = _open, {}
-    for archive in handles.values():
+        handles, _open = list(_open.values()), {}
+        handles += _retired
+        _retired = []
+    for archive in handles:
         archive.close()
 
 

@@ -242,6 +242,8 @@ class ArchiveTree(Tree):
         if not is_uri(self.location) and not os.path.lexists(self.location):
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), self.location)
         try:
+            # A dataset being made reads the archive as it is now (a new handle if it changed).
+            handles.get_archive(self.location, revalidate=True, **self.open_kwargs)
             archive = self.archive
         except ArchiveFormatError as exc:
             why = f"{os.strerror(errno.ENOTDIR)} (not an archive cdmlfs reads: {exc})"

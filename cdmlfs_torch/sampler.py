@@ -112,6 +112,9 @@ class ArchiveOrderSampler(Sampler[int]):
         self.start_index = 0
         self._set_start(start_index)
         self._handed_out = 0
+        # Given here, the skip waits for the first epoch iterated, whichever set_epoch names it (the
+        # usual resume loop calls set_epoch(resumed_epoch) first, which dropped it).
+        self._start_pending = start_index > 0
 
     # -- the order -----------------------------------------------------------
     def global_order(self, epoch: int | None = None) -> list[int]:
@@ -144,6 +147,7 @@ class ArchiveOrderSampler(Sampler[int]):
     # -- Sampler protocol ----------------------------------------------------
     def __iter__(self) -> Iterator[int]:
         todo = self.indices()[self.start_index :]
+        self._start_pending = False
         self._handed_out = 0
         for i in todo:
             self._handed_out += 1
@@ -160,9 +164,10 @@ class ArchiveOrderSampler(Sampler[int]):
         """Select the epoch whose order to produce (call before each epoch, like DistributedSampler).
 
         A resume position set for this same epoch is kept, so the usual
-        ``load_state_dict(...); for epoch in range(start, n): sampler.set_epoch(epoch)`` works.
+        ``load_state_dict(...); for epoch in range(start, n): sampler.set_epoch(epoch)`` works; so is
+        a ``start_index`` given to the constructor, until the first epoch iterated.
         """
-        if epoch != self.epoch:
+        if epoch != self.epoch and not self._start_pending:
             self.start_index = 0
             self._handed_out = 0
         self.epoch = epoch

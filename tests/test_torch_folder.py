@@ -295,6 +295,75 @@ def test_spawned_workers_refuse_an_archive_replaced_after_the_dataset_listed_it(
     assert exc.value.errno == errno.ESTALE and "changed after the dataset listed it" in str(exc.value)
 
 
+def test_a_dataset_made_again_sees_the_archive_as_it_is_now(tmp_path: Path) -> None:
+    """The process's handle kept the first version for good: a dataset made after the archive was
+    replaced listed the old classes, and 'create the dataset again' could not help."""
+    import errno
+
+    path = tmp_path / "data.zip"
+    for version, classes in ((1, ("a", "b")), (2, ("a", "b", "c"))):
+        for cls in classes:
+            (tmp_path / f"v{version}" / cls).mkdir(parents=True)
+            _image(tmp_path / f"v{version}" / cls / "x.png", version)
+    shutil.make_archive(str(tmp_path / "data"), "zip", tmp_path / "v1")
+    old = ArchiveImageFolder(str(path))
+    assert old.classes == ["a", "b"]
+    os.replace(shutil.make_archive(str(tmp_path / "new"), "zip", tmp_path / "v2"), path)
+    new = ArchiveImageFolder(str(path))
+    assert new.classes == ["a", "b", "c"] and len(new) == 3
+    assert new[2][1] == 2
+    with pytest.raises(OSError) as exc:  # the old dataset's list is of the old version
+        old[0]
+    assert exc.value.errno == errno.ESTALE
+    again = ArchiveImageFolder(str(path))  # nothing changed: the same handle
+    assert handles.get_archive(str(path)) is handles.get_archive(str(path), revalidate=True)
+    assert again.classes == new.classes
+
+
+def test_a_dataset_made_again_sees_an_s3_object_replaced(tmp_path: Path) -> None:
+    """The same on S3: an object uploaded again under the key was served as the old one (every
+    read outside the cache then EIO) until the process restarted. A HEAD tells when making one."""
+    pytest.importorskip("localbucket")
+    import s3util
+
+    for version, classes in ((1, ("a", "b")), (2, ("a", "b", "c"))):
+        for cls in classes:
+            (tmp_path / f"v{version}" / cls).mkdir(parents=True)
+            _image(tmp_path / f"v{version}" / cls / "x.png", version)
+    with s3util.dummy_credentials():
+        endpoint = s3util.start_localbucket(tmp_path / "bucket-root")
+        try:
+            opts = {"endpoint_url": endpoint.url}
+            endpoint.put(
+                "data", "d.zip", Path(shutil.make_archive(str(tmp_path / "one"), "zip", tmp_path / "v1"))
+            )
+            assert ArchiveImageFolder("s3://data/d.zip", open_options=opts).classes == ["a", "b"]
+            endpoint.put(
+                "data", "d.zip", Path(shutil.make_archive(str(tmp_path / "two"), "zip", tmp_path / "v2"))
+            )
+            new = ArchiveImageFolder("s3://data/d.zip", open_options=opts)
+            assert new.classes == ["a", "b", "c"] and new[2][1] == 2
+        finally:
+            handles.close_all()
+            endpoint.stop()
+
+
+def test_an_archive_gone_when_a_worker_opens_it_is_an_oserror(tmp_path: Path) -> None:
+    """A spawned worker opening a deleted archive raised cdmlfs's ArchiveNotFoundError, which an
+    ``except OSError`` skip loop does not catch (every other sample error is an OSError)."""
+    import pickle
+
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    _image(src / "a" / "x.png", 1)
+    path = shutil.make_archive(str(tmp_path / "gone"), "zip", src)
+    blob = pickle.dumps(ArchiveImageFolder(path))
+    handles.close_all()  # as in a spawned worker: no handle yet
+    os.unlink(path)
+    with pytest.raises(OSError):
+        pickle.loads(blob)[0]
+
+
 def test_pickles_small_without_handle(trees: dict[str, Path]) -> None:
     ds = ArchiveImageFolder(f"{trees['zip']}::train")
     ds[0]  # the handle is open and has read data

@@ -127,6 +127,14 @@ def test_resume_from_a_sample_position() -> None:
     c = ArchiveOrderSampler(range(n), window=32, seed=2, num_replicas=3, rank=2, start_index=7)
     assert list(c) == list(ArchiveOrderSampler(range(n), window=32, seed=2, num_replicas=3, rank=2))[7:]
 
+    # start_index given to the constructor, then the usual loop's set_epoch(resumed epoch): the skip
+    # applies to that first epoch iterated (set_epoch(4) dropped it: the epoch was whole again).
+    d = ArchiveOrderSampler(range(n), window=32, seed=2, num_replicas=3, rank=2, start_index=consumed)
+    d.set_epoch(4)
+    assert len(d) == len(full) - consumed and list(d) == full[consumed:]
+    d.set_epoch(5)
+    assert list(d) == list(a)  # then whole epochs
+
 
 def test_state_dict_counts_handed_out_indices_and_rolls_over() -> None:
     s = ArchiveOrderSampler(range(20), window=4, seed=0)

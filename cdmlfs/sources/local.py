@@ -43,12 +43,22 @@ class LocalFile:
         # inode changes when a file is replaced, the ctime on any write (and touch cannot set it).
         # Not the device number: NFS clients each number the same export differently, and nodes
         # sharing a home then took each other's saved index for stale, each scanning again.
-        self.identity = SourceIdentity(self.path, self.size, f"{st.st_mtime_ns}.{st.st_ctime_ns}.{st.st_ino}")
+        self.identity = _identity(self.path, st, self.size)
         self.mtime = st.st_mtime
         self.bytes_read = 0  # through read_at (for cdmlfs stats)
 
     def fileno(self) -> int | None:
         return self._fd
+
+    def probe_identity(self) -> SourceIdentity:
+        """What the path holds now (a stat): a different identity means a new open reads other bytes."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            raise ArchiveNotFoundError(f"{self.path}: no such file") from None
+        except OSError as exc:
+            raise UsageError(f"{self.path}: cannot stat: {exc.strerror}") from None
+        return _identity(self.path, st, st.st_size if stat.S_ISREG(st.st_mode) else self.size)
 
     def read_at(self, offset: int, length: int) -> bytes:
         if offset < 0 or length < 0 or offset + length > self.size:
@@ -78,3 +88,7 @@ class LocalFile:
 
     def __repr__(self) -> str:
         return f"LocalFile({self.path!r}, size={self.size})"
+
+
+def _identity(path: str, st: os.stat_result, size: int) -> SourceIdentity:
+    return SourceIdentity(path, size, f"{st.st_mtime_ns}.{st.st_ctime_ns}.{st.st_ino}")

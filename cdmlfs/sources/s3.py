@@ -244,6 +244,20 @@ class S3Object:
     def fileno(self) -> int | None:
         return None
 
+    def probe_identity(self) -> SourceIdentity:
+        """What the key holds now (a HEAD request): a different identity means a new open reads
+        other bytes (the object was replaced)."""
+
+        def attempt(deadline: float):
+            try:
+                return self._reply_by(deadline, head=True)
+            except Exception as exc:
+                self._classify(exc, opening=True)
+                raise
+
+        resp = self._with_retries(attempt, "HEAD")
+        return SourceIdentity(self.location, int(resp.get("ContentLength") or 0), _etag(resp.get("ETag")))
+
     @property
     def bytes_read(self) -> int:
         """Bytes received from the object store (for cdmlfs stats)."""
