@@ -614,6 +614,26 @@ def test_cli_s3_options_shape_the_requests(moto_s3, proxy_to, tmp_path: Path) ->
     assert all(path.startswith("/opts/") for _, path, *_ in requests("--addressing-style", "path"))
 
 
+def test_archives_of_one_process_share_an_sdk_session(localbucket_s3, tmp_path: Path, monkeypatch) -> None:
+    """A boto3 Session costs ~12 MiB (service models, credential chain): one per archive made a
+    40-shard dataset hold 517 MiB per DataLoader worker. One per profile, region and credentials."""
+    path = _small_zip(tmp_path, "shared.zip")
+    for key in ("one.zip", "two.zip"):
+        localbucket_s3.put("shared", key, path)
+    url = localbucket_s3.url
+    with (
+        Archive("s3://shared/one.zip", endpoint_url=url) as a,
+        Archive("s3://shared/two.zip", endpoint_url=url) as b,
+    ):
+        assert a.source._session is b.source._session
+        assert a.read("readme.txt") == b.read("readme.txt")
+        with Archive("s3://shared/two.zip", endpoint_url=url, region="eu-west-3") as other_region:
+            assert other_region.source._session is not a.source._session
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "rotated")  # other credentials: never the old session's
+        with Archive("s3://shared/two.zip", endpoint_url=url) as rotated:
+            assert rotated.source._session is not a.source._session
+
+
 # -- ranged GETs by presigned URL ----------------------------------------------------------------
 def _presign_zip(endpoint, tmp_path: Path, key: str) -> Path:
     path = _small_zip(tmp_path, key, method=zipfile.ZIP_STORED)

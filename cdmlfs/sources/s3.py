@@ -27,6 +27,7 @@ signed request headers, so their loggers are capped at INFO.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -290,7 +291,7 @@ class S3Object:
         except ImportError:
             raise UsageError("S3 support needs boto3: pip install 'cdmlfs[s3]'") from None
         try:
-            self._session = boto3.session.Session(profile_name=self._profile, region_name=self._region)
+            self._session = _shared_session(boto3, self._profile, self._region)
         except ProfileNotFound:
             name = self._profile or os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE")
             raise UsageError(f"AWS profile {name!r} not found") from None
@@ -326,9 +327,10 @@ class S3Object:
                 if self._unsigned:
                     kwargs["signature_version"] = UNSIGNED
                 try:
-                    self._client = self._session.client(  # type: ignore[union-attr]
-                        "s3", endpoint_url=self.endpoint_url, config=Config(**kwargs)
-                    )
+                    with _SESSIONS.lock:  # a boto3 Session is not safe to make clients from at once
+                        self._client = self._session.client(  # type: ignore[union-attr]
+                            "s3", endpoint_url=self.endpoint_url, config=Config(**kwargs)
+                        )
                 except ValueError as exc:  # botocore: "Invalid endpoint: 127.0.0.1:9000" (no scheme)
                     hint = " (an endpoint URL looks like http://host:port)" if "endpoint" in str(exc) else ""
                     raise UsageError(f"{_redact(str(exc))}{hint}") from None
@@ -669,6 +671,55 @@ class S3Object:
             self._changed = message
             log.error("%s", message)
         return SourceChangedError(message)
+
+
+class _SessionRegistry:
+    """One boto3 Session per (profile, region) in a process.
+
+    A session holds the SDK's loaded service models and credential chain: about 12 MiB each,
+    where a client made from an existing one costs 0.4 MiB. A dataset of 40 S3 shards held a
+    session per shard: 517 MiB of a DataLoader worker before any read."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sessions: dict[tuple[str | None, str | None, bytes], object] = {}
+
+    def after_fork_child(self) -> None:
+        self.lock = threading.Lock()  # a parent thread may have held it; the sessions hold no sockets
+
+
+_SESSIONS = _SessionRegistry()
+os.register_at_fork(after_in_child=_SESSIONS.after_fork_child)
+
+
+# What a session reads from the environment once: another value there (credentials rotated in the
+# process, a test's own) makes another session, so sharing never serves old credentials.
+_SESSION_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+)
+
+
+def _shared_session(boto3, profile: str | None, region: str | None):
+    env = hashlib.sha256("\0".join(os.environ.get(k, "\1") for k in _SESSION_ENV).encode()).digest()
+    key = (profile, region, env)
+    with _SESSIONS.lock:
+        session = _SESSIONS.sessions.get(key)
+        if session is None:
+            session = boto3.session.Session(profile_name=profile, region_name=region)
+            _SESSIONS.sessions[key] = session
+        return session
 
 
 class _Background:
