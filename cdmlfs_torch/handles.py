@@ -31,6 +31,19 @@ worker, and samples of a shuffled epoch are read once, so a big cache buys nothi
 _lock = threading.Lock()
 _open: dict[str, Archive] = {}
 _retired: list[Archive] = []  # handles of versions replaced since (closed by close_all)
+_options: dict[str, dict[str, Any]] = {}  # open options datasets gave for a location (see remember_options)
+
+
+def remember_options(location: str, open_kwargs: dict[str, Any]) -> None:
+    """Options to open ``location`` with when a caller names only the location.
+
+    Loaders, ``read_sample`` and ``open_sample`` get a sample path and nothing else: in a
+    spawned worker (a fresh process) a wrapper dataset reading ``ds.samples[i][0]`` that way
+    opened the archive without the dataset's options (an S3 ``endpoint_url`` lost: it went to
+    AWS). Datasets record theirs here, also when unpickled in a worker; the first one given wins.
+    """
+    if open_kwargs:
+        _options.setdefault(location, dict(open_kwargs))
 
 
 def _reset_lock_after_fork() -> None:
@@ -56,6 +69,8 @@ def get_archive(location: str, *, revalidate: bool = False, **open_kwargs: Any) 
     archive = _open.get(location)
     if archive is not None and not (revalidate and _changed(archive)):
         return archive
+    if not open_kwargs:
+        open_kwargs = dict(_options.get(location, {}))
     with _lock:
         current = _open.get(location)
         if current is None or current is archive:  # not replaced meanwhile by another thread

@@ -208,6 +208,11 @@ class ArchiveTree(Tree):
         self.open_kwargs = open_kwargs
         self.root_path = f"{location}{SEP}{inner}"
         self._prefix = f"{location}{SEP}"
+        handles.remember_options(location, open_kwargs)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        handles.remember_options(self.location, self.open_kwargs)  # a worker's loaders need them too
 
     def __repr__(self) -> str:
         return f"ArchiveTree({self.root_path!r})"

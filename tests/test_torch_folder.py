@@ -348,6 +348,43 @@ def test_a_dataset_made_again_sees_an_s3_object_replaced(tmp_path: Path) -> None
             endpoint.stop()
 
 
+class _ReadsSamplePaths(torch.utils.data.Dataset):
+    """A wrapper reading the inner dataset's sample paths itself (crops, multi-view, captions...)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> bytes:
+        return cdmlfs_torch.read_sample(self.inner.samples[index][0])
+
+
+def test_sample_paths_read_in_a_spawned_worker_keep_the_datasets_open_options(tmp_path: Path) -> None:
+    """read_sample(ds.samples[i][0]) in a spawned worker opened the archive without the dataset's
+    options: an S3 endpoint_url lost, the read went to AWS (fork workers kept the parent's handle)."""
+    pytest.importorskip("localbucket")
+    import s3util
+
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    _image(tmp_path / "src" / "a" / "x.png", 3)
+    archive = Path(shutil.make_archive(str(tmp_path / "d"), "zip", tmp_path / "src"))
+    with s3util.dummy_credentials():
+        endpoint = s3util.start_localbucket(tmp_path / "bucket-root")
+        try:
+            endpoint.put("data", "d.zip", archive)
+            ds = ArchiveImageFolder("s3://data/d.zip", open_options={"endpoint_url": endpoint.url})
+            want = (tmp_path / "src" / "a" / "x.png").read_bytes()
+            loader = DataLoader(
+                _ReadsSamplePaths(ds), 1, num_workers=1, multiprocessing_context="spawn", collate_fn=list
+            )
+            assert [batch[0] for batch in loader] == [want]
+        finally:
+            handles.close_all()
+            endpoint.stop()
+
+
 def test_an_archive_gone_when_a_worker_opens_it_is_an_oserror(tmp_path: Path) -> None:
     """A spawned worker opening a deleted archive raised cdmlfs's ArchiveNotFoundError, which an
     ``except OSError`` skip loop does not catch (every other sample error is an OSError)."""
