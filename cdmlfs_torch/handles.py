@@ -85,8 +85,20 @@ def get_archive(location: str, *, revalidate: bool = False, **open_kwargs: Any) 
 
 
 def _changed(archive: Archive) -> bool:
+    """Whether the location holds other bytes now; a probe that fails on the network (not a missing
+    file or object, which is raised) keeps the handle: the dataset is made as it was before."""
+    from cdmlfs.errors import SourceError
+
     probe = getattr(archive.source, "probe_identity", None)
-    return probe is not None and probe() != archive.source.identity
+    if probe is None:
+        return False
+    try:
+        return probe() != archive.source.identity
+    except SourceError as exc:
+        import logging
+
+        logging.getLogger(__name__).info("%s: cannot tell whether it changed (%s)", archive.source, exc)
+        return False
 
 
 def close_all() -> None:
@@ -96,6 +108,7 @@ def close_all() -> None:
         handles, _open = list(_open.values()), {}
         handles += _retired
         _retired = []
+        _options.clear()
     for archive in handles:
         archive.close()
 

@@ -208,7 +208,6 @@ class ArchiveTree(Tree):
         self.open_kwargs = open_kwargs
         self.root_path = f"{location}{SEP}{inner}"
         self._prefix = f"{location}{SEP}"
-        handles.remember_options(location, open_kwargs)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -258,6 +257,7 @@ class ArchiveTree(Tree):
                 raise FileNotFoundError(errno.ENOENT, str(exc), self.location) from exc
             raise
         self.identity = tuple(archive.source.identity)  # pickled with the tree: workers compare
+        handles.remember_options(self.location, self.open_kwargs)  # for loaders naming only the location
         if self.inner and not archive.isdir(self.inner):
             if archive.exists(self.inner):
                 raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), self.root_path)

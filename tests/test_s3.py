@@ -634,6 +634,27 @@ def test_archives_of_one_process_share_an_sdk_session(localbucket_s3, tmp_path: 
             assert rotated.source._session is not a.source._session
 
 
+def test_a_shared_session_follows_a_rewritten_credentials_file(
+    moto_s3, proxy_to, tmp_path: Path, monkeypatch
+) -> None:
+    """Tools such as saml2aws rewrite ~/.aws/credentials with fresh keys: a session shared across
+    archives kept the first keys it read (expired ones, later). A file written since: a new one."""
+    path = _small_zip(tmp_path, "creds.zip")
+    moto_s3.put("creds", "c.zip", path)
+    proxy = proxy_to(moto_s3)
+    creds = tmp_path / "credentials"
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    for key in ("AKIDFIRST", "AKIDSECONDKEY"):
+        creds.write_text(f"[default]\naws_access_key_id = {key}\naws_secret_access_key = s\n")
+        proxy.reset_stats()
+        with Archive("s3://creds/c.zip", endpoint_url=proxy.url) as remote:
+            assert remote.read("readme.txt")
+        auths = [auth for *_, auth in proxy.stats.seen if auth]
+        assert auths and all(f"Credential={key}/" in auth for auth in auths), auths
+
+
 # -- ranged GETs by presigned URL ----------------------------------------------------------------
 def _presign_zip(endpoint, tmp_path: Path, key: str) -> Path:
     path = _small_zip(tmp_path, key, method=zipfile.ZIP_STORED)

@@ -83,7 +83,7 @@ EMBEDDED_INDEX_NIBBLE = 0xC  # skippable magic 0x184D2A5C holds a packed archive
 EMBEDDED_INDEX_MAGIC = b"CDMLFS-MEMBERS\x00\x01"
 MAX_META_MEMBER = 16 << 20  # longest pax / GNU long-name payload we accept
 STORE_KIND_TAR = "tar/1"
-STORE_KIND_TAR_ZST = "tar.zst/1"
+STORE_KIND_TAR_ZST = "tar.zst/2"  # 2: frame tables say whether their sizes came from a seek table
 # Types whose size field is ignored, as GNU tar 1.34 does: a symlink, device or fifo header that
 # declares a size is followed by that many bytes, which tar skips (a header hidden there is not a
 # member for tar -x, so it must not be one for us either).

@@ -1069,6 +1069,9 @@ class ZstdScanView:
             if not tar_ended:
                 raise
             log.warning("%s: %s, after the end of the tar: ignored", self.source.identity.location, exc)
+            while self.frames and self.frames[-1].comp_size < 0:  # a frame found but cut: not ours
+                self.frames.pop()
+                self.sizes.pop()
         if self._progress is not None:
             self._progress(self.source.size, self.source.size)
 

@@ -682,7 +682,7 @@ class _SessionRegistry:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.sessions: dict[tuple[str | None, str | None, bytes], object] = {}
+        self.sessions: dict[tuple[str | None, str | None], tuple[bytes, object]] = {}
 
     def after_fork_child(self) -> None:
         self.lock = threading.Lock()  # a parent thread may have held it; the sessions hold no sockets
@@ -692,8 +692,9 @@ _SESSIONS = _SessionRegistry()
 os.register_at_fork(after_in_child=_SESSIONS.after_fork_child)
 
 
-# What a session reads from the environment once: another value there (credentials rotated in the
-# process, a test's own) makes another session, so sharing never serves old credentials.
+# What a session reads once and keeps: the environment's AWS settings, and the shared config and
+# credentials files (saml2aws, gimme-aws-creds, `aws configure` rewrite them with fresh keys). Any
+# other value, or a file written since, makes a new session: sharing never serves old credentials.
 _SESSION_ENV = (
     "AWS_ACCESS_KEY_ID",
     "AWS_SECRET_ACCESS_KEY",
@@ -711,14 +712,27 @@ _SESSION_ENV = (
 )
 
 
+def _session_stamp() -> bytes:
+    parts = [os.environ.get(k, "\1") for k in _SESSION_ENV]
+    home = os.path.expanduser("~")
+    for var, default in (("AWS_CONFIG_FILE", "config"), ("AWS_SHARED_CREDENTIALS_FILE", "credentials")):
+        path = os.path.expanduser(os.environ.get(var) or os.path.join(home, ".aws", default))
+        try:
+            st = os.stat(path)
+            parts.append(f"{path}\0{st.st_mtime_ns}\0{st.st_size}\0{st.st_ino}")
+        except OSError:
+            parts.append(f"{path}\0-")
+    return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogateescape")).digest()
+
+
 def _shared_session(boto3, profile: str | None, region: str | None):
-    env = hashlib.sha256("\0".join(os.environ.get(k, "\1") for k in _SESSION_ENV).encode()).digest()
-    key = (profile, region, env)
+    stamp = _session_stamp()
     with _SESSIONS.lock:
-        session = _SESSIONS.sessions.get(key)
-        if session is None:
-            session = boto3.session.Session(profile_name=profile, region_name=region)
-            _SESSIONS.sessions[key] = session
+        kept = _SESSIONS.sessions.get((profile, region))
+        if kept is not None and kept[0] == stamp:
+            return kept[1]
+        session = boto3.session.Session(profile_name=profile, region_name=region)
+        _SESSIONS.sessions[(profile, region)] = (stamp, session)  # objects holding the old one keep it
         return session
 
 

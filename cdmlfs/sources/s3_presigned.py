@@ -66,12 +66,16 @@ class _SdkLogGuard(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.INFO:
             return False
-        message = record.getMessage()
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed SDK log call: never raise into the request that made it
+            return False
         clean = hide_signature(message)
         if clean != message:
             record.msg, record.args = clean, ()
         if record.exc_info:  # an exception's text may quote the URL as well
-            record.exc_text = hide_signature("".join(traceback.format_exception(*record.exc_info)))
+            text = "".join(traceback.format_exception(*record.exc_info)).rstrip("\n")
+            record.exc_text = hide_signature(text)
             record.exc_info = None
         return True
 
