@@ -17,12 +17,15 @@ Why a registry instead of a handle stored on each dataset:
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cdmlfs.archive import Archive
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_SIZE = 64 << 20
 """Cache per process and archive. Small on purpose: a DataLoader runs one handle per
@@ -95,9 +98,7 @@ def _changed(archive: Archive) -> bool:
     try:
         return probe() != archive.source.identity
     except SourceError as exc:
-        import logging
-
-        logging.getLogger(__name__).info("%s: cannot tell whether it changed (%s)", archive.source, exc)
+        log.info("%s: cannot tell whether it changed (%s)", archive.source, exc)
         return False
 
 

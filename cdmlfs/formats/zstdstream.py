@@ -80,13 +80,14 @@ MAX_WINDOW = 1 << zstdframes.MAX_WINDOW_LOG  # larger windows need --long archiv
 _LONG_WINDOW_HINT = "decompress the archive (zstd -d --long=31) and 'cdmlfs pack' the tar"
 
 
+_DICTIONARY = "was compressed with a dictionary (zstd -D), which cdmlfs does not take"
+
+
 def _zstd_error(exc: Exception, what: str) -> CorruptMemberError | MemoryError:
     if "Allocation error" in str(exc):  # memory pressure, not damage: never a lasting corrupt verdict
         return MemoryError(f"{what}: {exc}")
     if "Dictionary mismatch" in str(exc):  # not damage: a frame compressed with a dictionary (zstd -D)
-        return CorruptMemberError(
-            f"{what} was compressed with a dictionary (zstd -D), which cdmlfs does not take"
-        )
+        return CorruptMemberError(f"{what} {_DICTIONARY}")
     if "too much memory" in str(exc):  # a frame written with zstd --long: not damage (see check_window)
         return CorruptMemberError(
             f"{what} needs a decoding window over {MAX_WINDOW >> 20} MiB (written with zstd --long): "
@@ -549,12 +550,17 @@ class ZstdStream:
             )
         return where, header.content_size is not None
 
-    def _check_size_by_decoding(self, i: int, where: str) -> None:
-        """Decode frame ``i`` to its end once, counting (see ``FrameTable.sizes_measured``)."""
+    def _frame_reader(self, i: int):
+        """A forward zstd stream reader over frame ``i``'s compressed bytes (this frame only)."""
         fr = self.frames
         dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
         raw = SourceRange(self.source, fr.comp_offset[i], fr.comp_size[i])
-        reader = dctx.stream_reader(raw, read_size=SCAN_CHUNK, read_across_frames=False)
+        return dctx.stream_reader(raw, read_size=SCAN_CHUNK, read_across_frames=False)
+
+    def _check_size_by_decoding(self, i: int, where: str) -> None:
+        """Decode frame ``i`` to its end once, counting (see ``FrameTable.sizes_measured``)."""
+        fr = self.frames
+        reader = self._frame_reader(i)
         scratch = bytearray(SCAN_CHUNK)
         n = 0
         try:
@@ -766,9 +772,7 @@ class ZstdStream:
                     where, stated = self._check_header(i, head)
                     if not (stated or fr.sizes_measured or i in self._sizes_checked):
                         self._check_size_by_decoding(i, where)
-                    dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
-                    raw = SourceRange(self.source, fr.comp_offset[i], fr.comp_size[i])
-                    cur.reader = dctx.stream_reader(raw, read_size=SCAN_CHUNK, read_across_frames=False)
+                    cur.reader = self._frame_reader(i)
                     cur.pos = 0
                     self.restarts += 1
                 reader = cur.reader
@@ -979,9 +983,8 @@ class ZstdScanView:
                 frame = self.frames[self._fi]
                 if "Dictionary mismatch" in str(exc):
                     raise ArchiveFormatError(
-                        f"zstd frame #{self._fi} at offset {frame.offset} was compressed with a dictionary "
-                        "(zstd -D), which cdmlfs does not take: decompress it with that dictionary "
-                        "(zstd -d -D DICT) and pack the tar again"
+                        f"zstd frame #{self._fi} at offset {frame.offset} {_DICTIONARY}: decompress it "
+                        "with that dictionary (zstd -d -D DICT) and pack the tar again"
                     ) from None
                 raise ArchiveFormatError(
                     f"corrupt zstd frame #{self._fi} at offset {frame.offset}: {exc} "

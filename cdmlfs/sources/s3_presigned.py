@@ -144,17 +144,15 @@ class PresignedGets:
             return client.get_object(**self._object, **params)
         headers = {"User-Agent": self._user_agent}
         headers.update((_PARAMS[name], value) for name, value in params.items())
-        url = self._url_for(client)
-        reply, status = self._send(session, url, headers)
-        if reply is not None:
-            return reply
-        if stop is not None and stop():
-            raise _GivenUp
-        reply, status = self._send(session, self._url_for(client, refused_url=url), headers)
-        if reply is not None:
-            return reply
-        if stop is not None and stop():
-            raise _GivenUp
+        url: str | None = None
+        status = 0
+        for _ in range(2):  # the current URL, then one signed afresh if that one was refused
+            url = self._url_for(client, refused_url=url)
+            reply, status = self._send(session, url, headers)
+            if reply is not None:
+                return reply
+            if stop is not None and stop():
+                raise _GivenUp
         reply = client.get_object(**self._object, **params)  # raises when the SDK is refused too
         self._use_sdk(status)
         return reply
