@@ -223,7 +223,7 @@ class Archive:
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["location"], state["cache_size"], **state["options"])  # type: ignore[misc]
         seen = state.get("identity")
-        if seen is not None and tuple(self.source.identity) != tuple(seen):
+        if seen is not None and not self.source.identity.same_bytes(seen):
             # A worker must not read another version than the one its parent listed and indexed.
             self.close()
             raise SourceChangedError(

@@ -96,7 +96,7 @@ def _changed(archive: Archive) -> bool:
     if probe is None:
         return False
     try:
-        return probe() != archive.source.identity
+        return not probe().same_bytes(archive.source.identity)
     except SourceError as exc:
         log.info("%s: cannot tell whether it changed (%s)", archive.source, exc)
         return False

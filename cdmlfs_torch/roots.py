@@ -227,7 +227,7 @@ class ArchiveTree(Tree):
         """
         archive = handles.get_archive(self.location, **self.open_kwargs)
         seen = self.__dict__.get("identity")
-        if seen is not None and tuple(archive.source.identity) != seen:
+        if seen is not None and not archive.source.identity.same_bytes(seen):
             raise OSError(
                 errno.ESTALE,
                 f"{self.location}: the archive changed after the dataset listed it "

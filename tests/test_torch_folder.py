@@ -295,6 +295,30 @@ def test_spawned_workers_refuse_an_archive_replaced_after_the_dataset_listed_it(
     assert exc.value.errno == errno.ESTALE and "changed after the dataset listed it" in str(exc.value)
 
 
+def test_a_chmod_or_hard_link_of_the_archive_is_no_change(tmp_path: Path) -> None:
+    """chmod, chown and a new hard link move the ctime and leave the bytes alone: a spawned worker
+    refused every sample with ESTALE (every epoch) after a chmod of the archive mid-training."""
+    import pickle
+
+    import cdmlfs
+
+    for cls in ("a", "b"):
+        (tmp_path / "src" / cls).mkdir(parents=True)
+        _image(tmp_path / "src" / cls / "x.png", 1)
+    path = Path(shutil.make_archive(str(tmp_path / "data"), "zip", tmp_path / "src"))
+    ds = ArchiveImageFolder(str(path))
+    blob, ar_blob = pickle.dumps(ds), pickle.dumps(cdmlfs.open(str(path)))
+    before = os.stat(path).st_ctime_ns
+    os.chmod(path, 0o600)
+    os.link(path, tmp_path / "snapshot.zip")
+    assert os.stat(path).st_ctime_ns != before
+    held = handles.get_archive(str(path))
+    assert handles.get_archive(str(path), revalidate=True) is held  # a dataset made again: same handle
+    handles.close_all()  # a fresh (spawned) process
+    assert pickle.loads(blob)[1][1] == 1
+    pickle.loads(ar_blob).close()
+
+
 def test_a_dataset_made_again_sees_the_archive_as_it_is_now(tmp_path: Path) -> None:
     """The process's handle kept the first version for good: a dataset made after the archive was
     replaced listed the old classes, and 'create the dataset again' could not help."""

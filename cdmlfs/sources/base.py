@@ -10,19 +10,30 @@ from typing import NamedTuple, Protocol, runtime_checkable
 class SourceIdentity(NamedTuple):
     """What makes two openings of a source the same bytes.
 
-    Used as a key for persisted indexes and by a pickled Archive to refuse another
-    version when it reopens: ``location`` plus either (size, mtime, ctime and inode)
-    for a file or (size, ETag) for an object. S3 reads are also pinned
-    to the ETag while open; a local file changed in place while open is caught
-    only by the formats' own checks (ZIP CRCs, zstd checksums; plain tar has none).
+    ``location`` plus either (size, mtime and inode) for a file or (size, ETag) for an
+    object. S3 reads are also pinned to the ETag while open; a local file changed in
+    place while open is caught only by the formats' own checks (ZIP CRCs, zstd
+    checksums; plain tar has none).
+
+    ``changed`` (a local file's ctime) is part of the persisted index's key only
+    (:meth:`key`): it moves on every write, so an archive rewritten in place with its
+    mtime put back is indexed again, but also on chmod, chown and a new hard link, which
+    leave the bytes alone. A pickled Archive or dataset reopening in a worker compares
+    :meth:`same_bytes`, so a chmod of the archive during training does not refuse every
+    sample (it did: ESTALE in each spawned worker, every epoch).
     """
 
     location: str
     size: int
-    version: str  # mtime.ctime.inode for local files, ETag for objects
+    version: str  # mtime.inode for local files, ETag for objects
+    changed: str = ""  # ctime for local files
 
     def key(self) -> str:
-        return f"{self.location}\0{self.size}\0{self.version}"
+        return f"{self.location}\0{self.size}\0{self.version}\0{self.changed}"
+
+    def same_bytes(self, other: tuple) -> bool:
+        """Whether ``other`` (an identity, or one pickled as a tuple) names the same bytes."""
+        return tuple(self)[:3] == tuple(other)[:3]
 
 
 @runtime_checkable

@@ -40,7 +40,8 @@ class LocalFile:
         self._fd = fd
         # mtime alone missed a file rewritten in place or replaced by a same-sized one with its
         # mtime put back (touch -r): a persisted tar index was then trusted for other bytes. The
-        # inode changes when a file is replaced, the ctime on any write (and touch cannot set it).
+        # inode changes when a file is replaced, the ctime on any write (and touch cannot set it);
+        # the ctime keys the saved index only, since chmod moves it too (see SourceIdentity).
         # Not the device number: NFS clients each number the same export differently, and nodes
         # sharing a home then took each other's saved index for stale, each scanning again.
         self.identity = _identity(self.path, st, self.size)
@@ -91,4 +92,4 @@ class LocalFile:
 
 
 def _identity(path: str, st: os.stat_result, size: int) -> SourceIdentity:
-    return SourceIdentity(path, size, f"{st.st_mtime_ns}.{st.st_ctime_ns}.{st.st_ino}")
+    return SourceIdentity(path, size, f"{st.st_mtime_ns}.{st.st_ino}", str(st.st_ctime_ns))
