@@ -88,7 +88,7 @@ def _cache_bytes(size: int | str) -> int:
     return size
 
 
-def _stops_extraction(exc: Exception) -> bool:
+def stops_extraction(exc: Exception) -> bool:
     """Failures that every later entry would meet too: going on would only repeat them."""
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
 
@@ -447,7 +447,7 @@ class Archive:
                 try:
                     self._extract_one(c, os.path.join(dest_dir, index.paths[c]), chunk, root, written)
                 except (MemberError, OSError) as exc:
-                    if on_error is None or _stops_extraction(exc):
+                    if on_error is None or stops_extraction(exc):
                         raise
                     on_error(index.paths[c], exc)
                     continue

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 from cdmlfs import __version__, fuseloop, sizes
-from cdmlfs.errors import CdmlfsError, LinkLoopError, NotFoundError, UsageError
+from cdmlfs.errors import CdmlfsError, LinkLoopError, MemberError, NotFoundError, UsageError
 
 log = logging.getLogger("cdmlfs")
 
@@ -61,6 +61,19 @@ def _readahead(text: str) -> int:
     return value
 
 
+_NOT_FUSE_OPTIONS = {
+    "raw_fi": "",
+    "errors": "",
+    "encoding": "",
+    "operations": "",
+    "mountpoint": " (give the mount point as an argument)",
+    "foreground": " (use -f)",
+    "nothreads": " (use --threads single)",
+    "debug": " (use --debug)",
+}
+"""Keyword arguments of mfusepy's FUSE class that ``-o`` would otherwise reach."""
+
+
 def parse_fuse_options(values: list[str]) -> dict[str, str | bool]:
     opts: dict[str, str | bool] = {}
     for value in values:
@@ -77,6 +90,8 @@ def parse_fuse_options(values: list[str]) -> dict[str, str | bool]:
                 continue
             if key in ("subtype", "fsname"):  # stats, umount and doctor find our mounts by these
                 raise UsageError(f"-o {key}: cdmlfs sets it (its commands find their mounts by it)")
+            if key in _NOT_FUSE_OPTIONS:  # mfusepy's own arguments: a traceback, or a changed loop
+                raise UsageError(f"-o {key}: not a FUSE mount option{_NOT_FUSE_OPTIONS[key]}")
             opts[key] = val if sep else True
     return opts
 
@@ -259,7 +274,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.mtime))
                 line = f"{_format_mode(r.mode)} {r.size:>12} {when} {prefix}{name}"
                 if r.is_symlink:
-                    line += f" -> {archive.reader.readlink(archive.index.lookup(r.path))}"
+                    line += f" -> {quote(archive.reader.readlink(archive.index.lookup(r.path)))}"
                 out.write(line + "\n")
             else:
                 out.write(prefix + name + "\n")
@@ -311,6 +326,8 @@ def _name_failed_write(exc: OSError, where: str) -> None:
 def cmd_extract(args: argparse.Namespace) -> int:
     if os.path.exists(args.directory) and not os.path.isdir(args.directory):
         raise UsageError(f"{args.directory}: not a directory (the -C destination)")
+    from cdmlfs.archive import stops_extraction
+
     archive = _open_archive(args, cache_size=64 << 20)
     failed: list[str] = []
 
@@ -319,16 +336,28 @@ def cmd_extract(args: argparse.Namespace) -> int:
         why = _os_error_text(exc) if isinstance(exc, OSError) else getattr(exc, "reason", None) or str(exc)
         print(f"cdmlfs: {member}: {why}", file=sys.stderr)
 
+    listing = args.verbose
+    _exit_on_termination()  # the partial file is removed on the way out
     with archive:
         os.makedirs(args.directory, exist_ok=True)
         for path in args.paths:
             try:
                 out = archive.extract(path, args.directory, on_error=report)
+            except (MemberError, NotFoundError, LinkLoopError) as exc:  # this path only, as tar -x
+                report(path, exc)
+                continue
             except OSError as exc:
+                if not stops_extraction(exc):  # a name taken by a directory there, ...
+                    report(path, exc)
+                    continue
                 _name_failed_write(exc, args.directory)
                 raise
-            if args.verbose:
-                print(out)
+            if listing:
+                try:
+                    print(out, flush=True)
+                except BrokenPipeError:  # `| head`: stop listing, not extracting
+                    _stdout_to_devnull()
+                    listing = False
     if failed:
         entries = "entry" if len(failed) == 1 else "entries"
         print(f"cdmlfs: {len(failed)} {entries} not extracted", file=sys.stderr)
@@ -336,16 +365,29 @@ def cmd_extract(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_pack(args: argparse.Namespace) -> int:
-    from cdmlfs.pack import pack
+def _exit_on_termination() -> None:
+    """SIGTERM and SIGHUP unwind like Ctrl-C, so partial output files are removed on the way out
+    (killed outright, extract and pack left a large ``.partial`` file behind)."""
 
-    def stop(signum: int, frame: object) -> None:  # the partial output is removed on the way out
+    def stop(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)  # the status a kill by that signal gives (143 for SIGTERM)
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup (or the caller) wants it ignored
             signal.signal(sig, stop)
 
+
+def _stdout_to_devnull() -> None:
+    """After a broken pipe: later writes and the flush at exit go nowhere instead of failing."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def cmd_pack(args: argparse.Namespace) -> int:
+    from cdmlfs.pack import pack
+
+    _exit_on_termination()
     progress = _progress_bar("packing") if sys.stderr.isatty() else None
     try:
         summary = pack(
@@ -702,8 +744,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _usable_std_streams() -> None:
+    """Closed standard descriptors (``>&-``) on /dev/null, names that are not UTF-8 written as
+    their bytes: either made commands end in a traceback instead of doing their work."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            devnull = os.open(os.devnull, os.O_RDWR)
+            if devnull != fd:
+                os.dup2(devnull, fd)
+                os.close(devnull)
+            setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115 (the process's own)
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="surrogateescape" if stream is sys.stdout else "backslashreplace")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _usable_std_streams()
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("-v", "--verbose"):  # `cdmlfs -v ls ...`: as after the command
+        argv = [*argv[1:2], argv[0], *argv[2:]]
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the subcommand's parser, so the hint points at its own --help
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

@@ -23,6 +23,7 @@ import os
 import select
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable
@@ -131,9 +132,14 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
             )
 
     mounted_once = []
+    # Foreground: libfuse's complaint about a bad -o went to the terminal and our error line
+    # followed it; held back until the mount is up, it becomes part of that one line.
+    held = _HeldStderr() if ready_fd is None else None
 
     def on_init() -> None:
         mounted_once.append(True)
+        if held is not None:
+            sys.stderr.write(held.release())
         ready()
         archive.warm_up(decode_ahead=True)  # our readers are other processes
         if opts.readahead:
@@ -170,12 +176,19 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
         if not mounted_once:
             # libfuse said why on stderr (the log, when daemonised): "fuse: unknown option(s)...".
             reason = f"libfuse could not mount {opts.mountpoint} (fuse_main returned {exc})"
+            if held is not None:
+                lines = held.release().splitlines(keepends=True)
+                said = libfuse_complaints(lines)
+                sys.stderr.write("".join(ln for ln in lines if ln.strip() not in said))
+                reason = "; ".join(said) or reason
             raise CdmlfsError(reason) from None
         log.info("unmounted %s (stopped by a signal)", opts.mountpoint)
         log.debug("libfuse's main returned %s", exc)
     else:
         log.info("unmounted %s", opts.mountpoint)
     finally:
+        if held is not None:
+            sys.stderr.write(held.release())
         # libfuse has put back the default actions: a second SIGTERM (a process-group kill, tini -g)
         # would now end us with status 143 after a clean unmount. We are on our way out anyway.
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -401,7 +414,8 @@ def mount_daemon(
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
-        ok = _wait_ready(rfd, pid) and _answers(opts.mountpoint)
+        waited = _wait_ready(rfd, pid)
+        ok = waited == "ready" and _answers(opts.mountpoint)
         reaped = not ok and _reaped(pid)
     except BaseException:
         _abandon(pid, opts.mountpoint)
@@ -413,7 +427,11 @@ def mount_daemon(
         if verbose:
             print(f"cdmlfs: mounted {archive.location} on {opts.mountpoint} (pid {pid}, log {log_file})")
         return 0
-    reason = _last_log_line(log_file, log_start) or "the daemon exited before the mount was ready"
+    reason = _last_log_line(log_file, log_start)
+    if waited == "timeout":  # the daemon is stopped below: say so, not that it exited
+        said = f" ({reason})" if reason else ""
+        reason = f"no mount within {MOUNT_TIMEOUT:.0f} s; stopped the daemon{said}"
+    reason = reason or "the daemon exited before the mount was ready"
     _abandon(pid, opts.mountpoint, exited=reaped)
     print(f"cdmlfs: mount failed: {reason} (log: {log_file})", file=sys.stderr)
     return 1
@@ -466,16 +484,17 @@ def _stop_child(pid: int) -> None:
         os.waitpid(pid, 0)
 
 
-def _wait_ready(rfd: int, pid: int) -> bool:
+def _wait_ready(rfd: int, pid: int) -> str:
+    """ "ready" (the daemon says it mounted), "exited" (it failed, or said otherwise) or "timeout"."""
     deadline = time.monotonic() + MOUNT_TIMEOUT
     while time.monotonic() < deadline:
         readable, _, _ = select.select([rfd], [], [], 0.5)
         if readable:
-            return os.read(rfd, 1) == READY
+            return "ready" if os.read(rfd, 1) == READY else "exited"
         done, _ = os.waitpid(pid, os.WNOHANG)
         if done:
-            return False
-    return False
+            return "exited"
+    return "timeout"
 
 
 def _answers(mountpoint: str) -> bool:
@@ -507,6 +526,42 @@ def _configure_daemon_logging(verbose: bool) -> None:
     logging.getLogger("mfusepy").setLevel(logging.WARNING if not verbose else logging.DEBUG)
 
 
+class _HeldStderr:
+    """File descriptor 2 sent to a temporary file until :meth:`release` puts it back."""
+
+    def __init__(self) -> None:
+        sys.stderr.flush()
+        self._file = tempfile.TemporaryFile()  # noqa: SIM115 (closed by release)
+        self._saved = os.dup(2)
+        os.dup2(self._file.fileno(), 2)
+        self._lock = threading.Lock()
+
+    def release(self) -> str:
+        """Put fd 2 back (once; later calls return ""): what was written to it meanwhile."""
+        with self._lock:
+            if self._saved < 0:
+                return ""
+            sys.stderr.flush()
+            os.dup2(self._saved, 2)
+            os.close(self._saved)
+            self._saved = -1
+            self._file.seek(0)
+            text = self._file.read().decode("utf-8", "replace")
+            self._file.close()
+            return text
+
+
+def libfuse_complaints(lines: Iterable[str]) -> list[str]:
+    """Lines from libfuse or fusermount (not our log's errors), in order, each once.
+
+    They say what to fix ("fuse: unknown option(s): ...", "fusermount3: option allow_other only
+    allowed if ..."): our own line after them only says that libfuse failed.
+    """
+    said = ("fuse:", "fusermount:", "fusermount3:")
+    stripped = (ln.strip() for ln in lines)
+    return list(dict.fromkeys(ln for ln in stripped if any(w in ln for w in said) and "ERROR" not in ln))
+
+
 def _last_log_line(path: str, start: int) -> str:
     try:
         with open(path, "rb") as f:
@@ -514,11 +569,7 @@ def _last_log_line(path: str, start: int) -> str:
             lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
     except OSError:
         return ""
-    # libfuse's own complaints ("fuse: unknown option(s): ...") and those of fusermount, which mounts
-    # for a user who is not root ("fusermount3: option allow_other only allowed if ...") say what to
-    # fix; our error line after them only says that libfuse failed, so it is the fallback.
-    said = ("fuse:", "fusermount:", "fusermount3:")
-    complaints = list(dict.fromkeys(ln for ln in lines if any(w in ln for w in said) and "ERROR" not in ln))
+    complaints = libfuse_complaints(lines)  # fusermount mounts for a user who is not root
     if complaints:
         return "; ".join(complaints)
     for ln in reversed(lines):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
+MAX_SIZE = 1 << 63  # what an off_t / size_t in C takes
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -12,9 +14,12 @@ def parse_size(text: str) -> int:
     m = _SIZE_RE.match(text)
     if not m:
         raise ValueError(f"invalid size {text!r} (examples: 512M, 2G, 64MiB)")
-    number, unit = float(m.group(1)), m.group(2).lower()
+    unit = m.group(2).lower()
     power = " kmgtp".index(unit) if unit else 0
-    return int(number * (1024**power))
+    value = int(Decimal(m.group(1)) * (1024**power))  # exact, and no float overflow to infinity
+    if value >= MAX_SIZE:
+        raise ValueError(f"invalid size {text!r} (too large)")
+    return value
 
 
 def human_bytes(n: float) -> str:

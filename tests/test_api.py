@@ -168,10 +168,6 @@ def test_cli_ls_cat_extract(archive: Path, tmp_path: Path) -> None:
 
 
 def test_cli_ls_marks_folders_alike_and_quotes_control_characters_on_a_terminal(tmp_path: Path) -> None:
-    import pty
-    import subprocess
-    import sys
-
     z = python_zip(tmp_path / "n.zip", {"dir/a.txt": b"a", "line\nbreak.txt": b"b"})
     short = run_cli("ls", str(z), check=True).stdout.decode()
     long = run_cli("ls", "-l", str(z), check=True).stdout.decode()
@@ -180,9 +176,33 @@ def test_cli_ls_marks_folders_alike_and_quotes_control_characters_on_a_terminal(
     assert "line\nbreak.txt\n" in short  # piped: the raw name, as GNU ls writes it for scripts
     res = run_cli("ls", str(z), "dir/a.txt/")
     assert res.returncode != 0 and "not a directory" in res.stderr.decode()
-    controller, terminal = pty.openpty()  # on a terminal, a name cannot break a line
+    shown = _on_a_terminal("ls", str(z))  # on a terminal, a name cannot break a line
+    assert "$'line\\x0abreak.txt'" in shown, shown
+
+
+def test_cli_ls_l_quotes_link_targets_on_a_terminal(tmp_path: Path) -> None:
+    """The name was quoted but not the `-> target` of a link: an archive could send escapes."""
+    import tarfile
+
+    tar = tmp_path / "esc.tar"
+    with tarfile.open(tar, "w") as tf:
+        info = tarfile.TarInfo("link")
+        info.type, info.linkname = tarfile.SYMTYPE, "x\x1b]0;PWNED\x07\nfake-line"
+        tf.addfile(info)
+    shown = _on_a_terminal("ls", "-l", str(tar), "--index-dir", str(tmp_path / "idx"))
+    assert "\x1b" not in shown and "fake-line" in shown and len(shown.strip().splitlines()) == 1, shown
+    assert shown.strip().endswith("link -> $'x\\x1b]0;PWNED\\x07\\x0afake-line'"), shown
+
+
+def _on_a_terminal(*args: str) -> str:
+    """What ``cdmlfs ARGS`` shows with its output on a terminal (a pty)."""
+    import pty
+    import subprocess
+    import sys
+
+    controller, terminal = pty.openpty()
     with subprocess.Popen(
-        [sys.executable, "-m", "cdmlfs", "ls", str(z)], stdout=terminal, stderr=subprocess.DEVNULL
+        [sys.executable, "-m", "cdmlfs", *args], stdout=terminal, stderr=subprocess.DEVNULL
     ) as proc:
         os.close(terminal)
         shown = b""
@@ -190,7 +210,7 @@ def test_cli_ls_marks_folders_alike_and_quotes_control_characters_on_a_terminal(
             shown += chunk
         assert proc.wait(timeout=60) == 0
     os.close(controller)
-    assert "$'line\\x0abreak.txt'" in shown.decode(), shown
+    return shown.decode()
 
 
 def _read_pty(fd: int) -> bytes:
@@ -587,3 +607,127 @@ def test_reads_leave_the_index_columns_as_built(tmp_path: Path) -> None:
         errors = run_in_threads(read_all, [(s,) for s in range(8)])
         assert not errors, errors[0]
         assert (bytes(ix.offset), bytes(ix.flags), ar.archive_order()) == before
+
+
+def test_cli_extract_of_named_paths_goes_on_past_a_bad_one(tmp_path: Path) -> None:
+    """A missing or corrupt member named on the command line stopped every path after it."""
+    files = {"bad.txt": text_bytes(5000, 1), "ok.txt": text_bytes(4000, 2)}
+    z = python_zip(tmp_path / "c.zip", files, zipfile.ZIP_DEFLATED)
+    flip_byte_in_member(z, "bad.txt")
+    out = tmp_path / "out"
+    res = run_cli("extract", str(z), "nope", "bad.txt", "ok.txt", "-C", str(out))
+    err = res.stderr.decode()
+    assert res.returncode == 1 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("cdmlfs: nope: ") and lines[1].startswith("cdmlfs: bad.txt: "), err
+    assert lines[2] == "cdmlfs: 2 entries not extracted", err
+    assert (out / "ok.txt").read_bytes() == files["ok.txt"] and not (out / "bad.txt").exists()
+
+
+def test_cli_extract_listing_into_a_closed_pipe_still_extracts_everything(tmp_path: Path) -> None:
+    """`extract -v ... | head -1` stopped extracting at the broken pipe, and exited 0."""
+    import subprocess
+    import sys
+
+    names = [f"d/f{i:05d}.txt" for i in range(3000)]
+    z = python_zip(tmp_path / "many.zip", {n: n.encode() for n in names})
+    out = tmp_path / "out"
+    with subprocess.Popen(
+        [sys.executable, "-m", "cdmlfs", "extract", "-v", str(z), *names, "-C", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as proc:
+        assert proc.stdout is not None and proc.stdout.readline()  # `head -1`
+        proc.stdout.close()
+        err = proc.stderr.read().decode() if proc.stderr else ""
+        assert proc.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "Exception" not in err, err
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*.txt")) == names
+
+
+def test_cli_sigterm_during_extract_leaves_no_partial_file(tmp_path: Path) -> None:
+    """pack removed its partial output on SIGTERM; extract left hundreds of MiB of .partial behind."""
+    import signal
+    import subprocess
+    import sys
+
+    z = tmp_path / "zeros.zip"
+    with (
+        zipfile.ZipFile(z, "w", zipfile.ZIP_DEFLATED) as zf,
+        zf.open("zeros.bin", "w", force_zip64=True) as f,
+    ):
+        block = bytes(1 << 20)
+        for _ in range(1536):
+            f.write(block)
+    out = tmp_path / "out"
+    out.mkdir()
+    with subprocess.Popen(
+        [sys.executable, "-m", "cdmlfs", "extract", str(z), "zeros.bin", "-C", str(out)],
+        stderr=subprocess.PIPE,
+    ) as proc:
+        deadline = time.monotonic() + 60
+        while not list(out.glob(".cdmlfs-*.partial")) and proc.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) in (0, 128 + signal.SIGTERM)
+        err = proc.stderr.read().decode() if proc.stderr else ""
+    assert "Traceback" not in err, err
+    assert not list(out.glob(".cdmlfs-*")), list(out.iterdir())
+    if proc.returncode == 0:  # it finished first: then the whole file is there
+        assert (out / "zeros.bin").stat().st_size == 1536 << 20
+
+
+def test_cli_prints_names_that_are_not_utf8_and_survives_closed_streams(tmp_path: Path) -> None:
+    """A name of other bytes made `ls` die with UnicodeEncodeError under a strict UTF-8 stdout;
+    `>&-` made ls, cat and mount end in AttributeError tracebacks."""
+    import subprocess
+    import sys
+    import tarfile
+
+    tar = tmp_path / "bytes.tar"
+    with tarfile.open(tar, "w", format=tarfile.GNU_FORMAT, encoding="utf-8", errors="surrogateescape") as tf:
+        info = tarfile.TarInfo(os.fsdecode(b"caf\xe9.txt"))
+        info.size = 3
+        tf.addfile(info, io.BytesIO(b"abc"))
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    idx = str(tmp_path / "idx")
+    res = run_cli("ls", str(tar), "--index-dir", idx, env=env)
+    assert res.returncode == 0 and res.stdout == b"caf\xe9.txt\n", res.stderr.decode()
+    for args in (["ls", str(tar)], ["cat", str(tar), os.fsdecode(b"caf\xe9.txt")]):
+        res = subprocess.run(
+            ["sh", "-c", 'exec "$@" >&-', "sh", sys.executable, "-m", "cdmlfs", *args, "--index-dir", idx],
+            capture_output=False,
+            stderr=subprocess.PIPE,
+            timeout=120,
+        )
+        assert res.returncode == 0 and b"Traceback" not in res.stderr, res.stderr.decode()
+
+
+def test_cli_rejects_huge_sizes_and_mfusepy_arguments_as_options_in_one_line(tmp_path: Path) -> None:
+    z = python_zip(tmp_path / "a.zip", {"a.txt": b"a"})
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    for args in (
+        ["--cache-size", "9" * 400],
+        ["--cache-size", "16E"],
+        ["--readahead", "9" * 400 + "K"],
+        ["-o", "raw_fi"],
+        ["-o", "errors=strict"],
+        ["-o", "foreground"],
+        ["-o", "encoding=latin1"],
+    ):
+        res = run_cli("mount", str(z), str(mnt), *args)
+        err = res.stderr.decode()
+        assert res.returncode == 2 and len(err.strip().splitlines()) == 1, (args, err)
+        assert not os.path.ismount(mnt)
+    from cdmlfs.sizes import parse_size
+
+    assert parse_size("1.5G") == 3 << 29 and parse_size("8191P") == 8191 << 50
+    with pytest.raises(ValueError):
+        parse_size("8192P")
+
+
+def test_cli_takes_verbose_before_the_command(archive: Path) -> None:
+    res = run_cli("-v", "ls", str(archive))
+    assert res.returncode == 0 and "readme.txt" in res.stdout.decode(), res.stderr.decode()
