@@ -204,6 +204,13 @@ class Archive:
         self._finalizer.detach()
         _close_parts(self.reader, self.cache, self.source)
 
+    def close_when_unused(self) -> None:
+        """Close once the last reference goes (a file still open on it, say), without the
+        unclosed-archive warning: for an owner that lets go of a handle others may still read."""
+        if self._finalizer.detach() is not None:
+            self._finalizer = weakref.finalize(self, _close_parts, self.reader, self.cache, self.source)
+            self._finalizer.atexit = False
+
     def __enter__(self) -> Archive:
         return self
 

@@ -33,7 +33,6 @@ worker, and samples of a shuffled epoch are read once, so a big cache buys nothi
 
 _lock = threading.Lock()
 _open: dict[str, Archive] = {}
-_retired: list[Archive] = []  # handles of versions replaced since (closed by close_all)
 _options: dict[str, dict[str, Any]] = {}  # open options datasets gave for a location (see remember_options)
 
 
@@ -81,8 +80,8 @@ def get_archive(location: str, *, revalidate: bool = False, **open_kwargs: Any) 
 
             open_kwargs.setdefault("cache_size", DEFAULT_CACHE_SIZE)
             fresh = cdmlfs.open(location, **open_kwargs)
-            if current is not None:
-                _retired.append(current)  # datasets of the old version may still be reading
+            if current is not None:  # a file opened on the old version may still be reading it
+                current.close_when_unused()  # kept until close_all, each held its fd and cache
             _open[location] = current = fresh
         return current
 
@@ -104,11 +103,9 @@ def _changed(archive: Archive) -> bool:
 
 def close_all() -> None:
     """Close this process's handles (tests, or a long-lived process that is done with its data)."""
-    global _open, _retired
+    global _open
     with _lock:
         handles, _open = list(_open.values()), {}
-        handles += _retired
-        _retired = []
         _options.clear()
     for archive in handles:
         archive.close()

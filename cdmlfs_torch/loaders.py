@@ -77,7 +77,12 @@ def tensor_loader(path: str | os.PathLike) -> Any:
     if _torchvision_decodes(data[:12]):
         from torchvision.io import ImageReadMode, decode_image
 
-        img = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        try:
+            img = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        except RuntimeError as exc:  # an OSError, as PIL gives: loops that skip bad samples catch that
+            raise OSError(f"cannot decode image file {os.fspath(path)!r}: {exc}") from exc
+        if img.ndim == 4:  # an animated GIF: its first frame, as PIL's loader gives
+            img = img[0]
         if img.dtype != torch.uint8:  # 16-bit PNGs decode to uint16: keep their high byte
             img = (img.to(torch.int32) >> 8).to(torch.uint8)
         return img

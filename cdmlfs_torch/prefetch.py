@@ -286,7 +286,11 @@ class _Ahead:
         if not self._queue:
             raise StopIteration
         ok, item = self._queue.popleft()
-        self._fill_one()  # keep `depth` items in flight while this one is consumed
+        try:
+            self._fill_one()  # keep `depth` items in flight while this one is consumed
+        except BaseException:  # Ctrl-C in the source: the item taken stays first in line, not lost
+            self._queue.appendleft((ok, item))
+            raise
         if not ok:
             raise item
         return item

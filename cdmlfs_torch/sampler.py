@@ -31,11 +31,12 @@ much smaller than a class then give single-class batches; use a large
 from __future__ import annotations
 
 import math
+import operator
 import random
 from collections.abc import Iterator, Sequence, Sized
 from typing import Any
 
-from cdmlfs_torch._compat import Sampler
+from cdmlfs_torch._compat import Dataset, Sampler
 
 
 def _dist_defaults(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
@@ -56,6 +57,21 @@ def _dist_defaults(num_replicas: int | None, rank: int | None) -> tuple[int, int
     if not 0 <= rank < num_replicas:
         raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]")
     return num_replicas, rank
+
+
+def _positions_given(data_source: Any) -> bool:
+    """A sequence of integer positions (a list, a numpy array, a tensor, ints of numpy), not a dataset.
+
+    Only a list of Python ints counted: ``np.argsort(...)`` or a tensor of positions was taken
+    for a dataset and silently gave dataset order.
+    """
+    if isinstance(data_source, Dataset) or not hasattr(data_source, "__getitem__") or not len(data_source):
+        return False
+    try:
+        operator.index(data_source[0])
+    except (TypeError, ValueError, IndexError, KeyError):
+        return False
+    return True
 
 
 class ArchiveOrderSampler(Sampler[int]):
@@ -91,8 +107,8 @@ class ArchiveOrderSampler(Sampler[int]):
         positions = getattr(data_source, "archive_positions", None)
         if callable(positions):
             keys = list(positions())
-        elif isinstance(data_source, Sequence) and all(isinstance(k, int) for k in data_source[:1]):
-            keys = list(data_source)  # type: ignore[arg-type]
+        elif _positions_given(data_source):
+            keys = [operator.index(k) for k in data_source]  # type: ignore[union-attr]
         else:
             keys = list(range(len(data_source)))
         self._base = sorted(range(len(keys)), key=keys.__getitem__)

@@ -27,6 +27,7 @@ from cdmlfs_torch import (  # noqa: E402
     ArchiveOrderSampler,
     default_loader,
     handles,
+    pil_loader,
     read_sample,
     split_sample_path,
     tensor_loader,
@@ -205,6 +206,39 @@ def test_tensor_loader_gives_uint8_for_16_bit_pngs(tmp_path: Path) -> None:
     assert torch.equal(x[0], torch.from_numpy((deep >> 8).astype(np.uint8)))
 
 
+def test_tensor_loader_fails_as_pil_loader_does_and_takes_a_gifs_first_frame(tmp_path: Path) -> None:
+    """A corrupt JPEG or PNG raised RuntimeError (no path), past loops that skip bad samples with
+    ``except OSError`` as they do with PIL; an animated GIF came back 4-D instead of C,H,W."""
+    import io
+
+    buf = io.BytesIO()
+    Image.fromarray(np.full((32, 32, 3), 200, np.uint8)).save(buf, "JPEG")
+    jpeg = buf.getvalue()
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(buf, "PNG")
+    png = buf.getvalue()
+    frames = [Image.fromarray(np.full((6, 5, 3), v, np.uint8)) for v in (10, 250)]
+    buf = io.BytesIO()
+    frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:])
+    members = {
+        "a/cut.jpg": jpeg[: len(jpeg) // 3],
+        "a/bad.png": png[:16] + b"\0" * 40,
+        "a/anim.gif": buf.getvalue(),
+    }
+    z = tmp_path / "bad.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    for name in ("a/cut.jpg", "a/bad.png"):
+        with pytest.raises(OSError):
+            pil_loader(f"{z}::{name}")
+        with pytest.raises(OSError, match=name):
+            tensor_loader(f"{z}::{name}")
+    gif = tensor_loader(f"{z}::a/anim.gif")
+    first = torch.from_numpy(np.array(pil_loader(f"{z}::a/anim.gif"))).permute(2, 0, 1)
+    assert gif.shape == (3, 6, 5) and torch.equal(gif, first)
+
+
 def test_whole_archive_and_directory_roots(trees: dict[str, Path]) -> None:
     top = ArchiveImageFolder(str(trees["zip"]), allow_empty=True)  # classes: train, val (empty)
     assert top.classes == ["train", "val"]
@@ -342,6 +376,40 @@ def test_a_dataset_made_again_sees_the_archive_as_it_is_now(tmp_path: Path) -> N
     again = ArchiveImageFolder(str(path))  # nothing changed: the same handle
     assert handles.get_archive(str(path)) is handles.get_archive(str(path), revalidate=True)
     assert again.classes == new.classes
+
+
+def test_handles_of_replaced_versions_are_let_go(tmp_path: Path) -> None:
+    """Each version replaced kept its handle (descriptor, index, cache) until close_all; a file
+    opened on an old version still reads to its end."""
+    import gc
+    import warnings
+
+    path = tmp_path / "data.zip"
+
+    def write(version: int) -> None:
+        src = tmp_path / f"v{version}"
+        for cls in ("a", "b"):
+            (src / cls).mkdir(parents=True)
+            _image(src / cls / "x.png", version)
+        os.replace(shutil.make_archive(str(tmp_path / "new"), "zip", src), path)
+
+    handles.close_all()
+    write(0)
+    ArchiveImageFolder(str(path))
+    held = handles.get_archive(str(path)).open("a/x.png")  # a reader mid-file on version 0
+    fds = len(os.listdir("/proc/self/fd"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)  # let go quietly, not as an unclosed archive
+        for version in range(1, 6):
+            write(version)
+            assert ArchiveImageFolder(str(path))[0][1] == 0
+            gc.collect()
+        assert len(os.listdir("/proc/self/fd")) <= fds + 1  # the held version and the current one
+        assert held.read()[:8] == b"\x89PNG\r\n\x1a\n"
+        held.close()
+        gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= fds  # the current version alone
+    handles.close_all()
 
 
 def test_a_dataset_made_again_sees_an_s3_object_replaced(tmp_path: Path) -> None:

@@ -264,6 +264,22 @@ def test_the_cuda_prefetch_order_keeps_a_failed_batch_in_its_place(depth: int) -
         ahead.next()
     rest = _skipping_bad_batches(iter(ahead.next, None))
     assert rest == expected[1:] and len(rest) == 5
+
+    class InterruptedOnce:  # Ctrl-C while the source fetches the batch after the one taken
+        def __init__(self) -> None:
+            self.items, self.calls = iter(range(8)), 0
+
+        def __next__(self) -> int:
+            self.calls += 1
+            if self.calls == depth + 1:
+                raise KeyboardInterrupt
+            return next(self.items)
+
+    ahead = _Ahead(InterruptedOnce(), depth, lambda b: b)
+    with pytest.raises(KeyboardInterrupt):
+        ahead.next()
+    got = list(iter(ahead.next, None))
+    assert got == list(range(8)), got  # the batch taken when Ctrl-C came was not lost
     cpu = GPUPrefetchLoader(DataLoader(BadAt(12, 5), batch_size=2), device="cpu", is_image=lambda t: False)
     assert _skipping_bad_batches(cpu) == expected  # the CPU pass-through agrees
 

@@ -58,6 +58,20 @@ def test_pure_archive_order_without_shuffle() -> None:
     assert two == [[3, 1, 5], [4, 2, 0]]  # contiguous regions, each read forwards
 
 
+def test_positions_as_numpy_or_a_tensor() -> None:
+    """Only a list of Python ints was taken for positions: np.argsort output or a tensor silently
+    gave dataset order."""
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    positions = [50, 10, 40, 0, 30, 20]
+    for given in (np.array(positions), list(np.array(positions)), torch.tensor(positions)):
+        assert list(ArchiveOrderSampler(given, shuffle=False)) == [3, 1, 5, 4, 2, 0], type(given)
+    samples = [("a.png", 1), ("b.png", 0)]  # a list of samples is a dataset: its own order
+    assert list(ArchiveOrderSampler(samples, shuffle=False)) == [0, 1]
+    tensors = torch.utils.data.TensorDataset(torch.tensor(positions))  # a Dataset: its own order too
+    assert list(ArchiveOrderSampler(tensors, shuffle=False)) == list(range(6))
+
+
 def shards_of(positions, replicas, **kw):
     return [
         list(ArchiveOrderSampler(positions, num_replicas=replicas, rank=r, **kw)) for r in range(replicas)
