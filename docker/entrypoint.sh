@@ -38,6 +38,19 @@ if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then
   exec "$@"
 fi
 
+child=""
+stopping=0
+# Installed before anything slow (clearing a dead mount can take seconds): as PID 1, bash ignores
+# a signal it has no trap for, and a stop during start-up waited out the grace period for SIGKILL.
+# shellcheck disable=SC2329  # invoked by the trap below
+forward() {
+  stopping=1
+  if [ -n "$child" ]; then
+    kill -TERM "$child" 2>/dev/null
+  fi
+}
+trap forward TERM INT HUP
+
 BIN=${CDMLFS_BIN:-cdmlfs}
 SOURCE=${CDMLFS_SOURCE:-}
 MNT=${CDMLFS_MOUNTPOINT:-/mnt/data}
@@ -84,6 +97,10 @@ clear_dead_mounts() {
 }
 
 clear_dead_mounts || exit 1
+if [ "$stopping" = 1 ]; then
+  log "stopped before mounting"
+  exit 0
+fi
 if ! mkdir -p -- "$MNT"; then
   log "cannot create the mount point $MNT"
   exit 1
@@ -104,17 +121,6 @@ args+=("$@")
 
 PIDFILE=${CDMLFS_PID_FILE:-/tmp/cdmlfs-sidecar.pid}
 rm -f -- "$PIDFILE" "$PIDFILE.busy" 2>/dev/null # a previous run's (killed with its container)
-child=""
-stopping=0
-# shellcheck disable=SC2329  # invoked by the trap below
-forward() {
-  stopping=1
-  if [ -n "$child" ]; then
-    kill -TERM "$child" 2>/dev/null
-  fi
-}
-trap forward TERM INT HUP
-
 # The command line carries no secrets (credentials stay in the environment).
 log "running: $(printf '%q ' "$BIN" "${args[@]}")"
 "$BIN" "${args[@]}" &

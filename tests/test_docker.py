@@ -408,6 +408,34 @@ def test_hung_daemon_is_unhealthy_within_the_timeout(topo: Topology, archive) ->
 
 
 @needs_namespaces
+def test_a_stop_during_start_up_is_not_lost(topo: Topology, archive) -> None:
+    """The trap came after clearing dead mounts, which probes the mount point for up to 10 s: as
+    PID 1 (a container), bash ignored a SIGTERM then, and was SIGKILLed after the grace period,
+    maybe after mounting. Now it stops there, mounting nothing."""
+    path, _ = archive
+    first = topo.start_sidecar(path)
+    topo.wait_healthy(first)
+    daemon = first.daemon_pid()
+    os.kill(daemon, signal.SIGSTOP)  # a hung mount: the next start-up's probe of it waits 10 s
+    try:
+        second = topo.start_sidecar(path, CDMLFS_PID_FILE=str(topo.tmp / "second.pid"))
+        wait_for(
+            "the start-up probe",
+            lambda: any("stat" in c.name() for c in psutil.Process(second.pid).children(recursive=True)),
+            10,
+        )
+        second.proc.send_signal(signal.SIGTERM)
+        assert second.wait(30) == 0, second.output()
+        assert "stopped before mounting" in second.output()
+        assert "running:" not in second.output()  # cdmlfs mount never ran
+    finally:
+        os.kill(daemon, signal.SIGCONT)
+    assert topo.fuse_mounts(topo.host) == ["fuse.cdmlfs"]  # the first one's, untouched
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.wait() == 0, first.output()
+
+
+@needs_namespaces
 def test_a_daemon_busy_with_one_long_request_is_not_called_hung(topo: Topology, tmp_path: Path) -> None:
     """A local mount serves one request at a time, and the first read of a big bzip2 member (or a
     multi-GB deflated one) decodes for seconds: a statfs behind it waits past the limit. The probe

@@ -116,7 +116,24 @@ def compose_problems(doc: dict) -> list[str]:
     )
     if not depends or depends.get("condition") != "service_healthy":
         problems.append("trainer: does not wait for cdmlfs to be healthy")
+    # Indexing comes before the mount (minutes for a large S3 tar): marked unhealthy first, the
+    # sidecar never started the trainer. Killed before a long request ends: a dead host mount.
+    if _seconds(side.get("healthcheck", {}).get("start_period", "0s")) < 600:
+        problems.append("cdmlfs: healthcheck start_period under 600s (a long index build fails the job)")
+    if _seconds(side.get("stop_grace_period", "10s")) < 120:
+        problems.append("cdmlfs: stop_grace_period under 120s (a dead mount left on the host)")
+    received = _shared_volume(trainer, "rslave")
+    if received is not None and not (received.get("bind") or {}).get("create_host_path"):
+        problems.append("trainer: its bind lacks create_host_path (fails on a fresh host)")
+    if "AWS_PROFILE" in env or "CDMLFS_PROFILE" in env:
+        problems.append("cdmlfs: a host AWS profile is passed in, but the container has no ~/.aws")
     return problems
+
+
+def _seconds(text: str) -> float:
+    """Compose durations: 90s, 2m, 1m30s."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", str(text)))
 
 
 def test_compose_has_everything_the_sidecar_needs() -> None:
@@ -146,6 +163,11 @@ COMPOSE_BREAKS: dict[str, Callable[[dict], None]] = {
     "no cache setting": lambda d: d["services"]["cdmlfs"]["environment"].pop("CDMLFS_CACHE_SIZE"),
     "no S3 credentials": lambda d: d["services"]["cdmlfs"]["environment"].pop("AWS_SECRET_ACCESS_KEY"),
     "no S3 endpoint": lambda d: d["services"]["cdmlfs"]["environment"].pop("CDMLFS_ENDPOINT_URL"),
+    "short start period": lambda d: d["services"]["cdmlfs"]["healthcheck"].update(start_period="2m"),
+    "short stop grace": lambda d: d["services"]["cdmlfs"].update(stop_grace_period="30s"),
+    "no stop grace": lambda d: d["services"]["cdmlfs"].pop("stop_grace_period"),
+    "trainer share not created": lambda d: _compose_share(d, "trainer")["bind"].pop("create_host_path"),
+    "host AWS profile": lambda d: d["services"]["cdmlfs"]["environment"].update(AWS_PROFILE=None),
 }
 
 
