@@ -70,7 +70,13 @@ from cdmlfs.formats.tarmembers import HARDLINK, MemberTable
 from cdmlfs.index import DIR, FILE, SYMLINK
 from cdmlfs.safe_write import is_under
 from cdmlfs.sources.base import Source, SourceRange
-from cdmlfs.zstd_seekable import looks_like_zstd, read_seek_table, seek_table_frame, skippable_frame
+from cdmlfs.zstd_seekable import (
+    MAX_SEEK_TABLE_FRAMES,
+    looks_like_zstd,
+    read_seek_table,
+    seek_table_frame,
+    skippable_frame,
+)
 
 log = logging.getLogger(__name__)
 
@@ -120,14 +126,17 @@ class _FileChunks:
     and their cells were ~400 bytes a file, a third of what packing a million files held).
     """
 
-    __slots__ = ("changed", "ident", "rel", "root", "size")
+    __slots__ = ("changed", "ctime_ns", "ident", "rel", "root", "size")
 
-    def __init__(self, root: str, rel: str, size: int, ident: tuple[int, int], changed: list[str]) -> None:
+    def __init__(
+        self, root: str, rel: str, size: int, ident: tuple[int, int], changed: list[str], ctime_ns: int = 0
+    ) -> None:
         self.root = root  # shared by every file: the path is joined when the file is read
         self.rel = rel  # the member's name (held by its entry anyway)
         self.size = size
         self.ident = ident
         self.changed = changed
+        self.ctime_ns = ctime_ns  # when listed: its size and mtime went into the header then
 
     @property
     def path(self) -> str:
@@ -154,6 +163,11 @@ class _FileChunks:
             if not statmod.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != self.ident:
                 yield from self._lost(size, "replaced by another file while packing")
                 return
+            if self.ctime_ns and st.st_ctime_ns != self.ctime_ns:
+                # Rewritten between the listing and now: its header has the listed mtime (and size).
+                log.warning("%s: changed since it was listed (file changed as we read it)", path)
+                self.changed.append(path)
+                st = None  # said once: no second warning after the read
             if not size:  # nothing to read, but it may have grown since it was listed
                 self._check_unchanged(f, st)
             left = size
@@ -167,10 +181,12 @@ class _FileChunks:
                     self._check_unchanged(f, st)
                 yield data
 
-    def _check_unchanged(self, f, before: os.stat_result) -> None:
+    def _check_unchanged(self, f, before: os.stat_result | None) -> None:
         """Its header is written: a file that grew keeps the size it announced, and one written to
         while it was read may mix old and new bytes. GNU tar says "file changed as we read it" (its
         ctime moved) and exits 1: so does this."""
+        if before is None:  # already named as changed when it was opened
+            return
         after = os.fstat(f.fileno())
         if after.st_size > self.size or f.read(1):
             log.warning("%s: grew while being packed: packed its first %d bytes", self.path, self.size)
@@ -180,10 +196,18 @@ class _FileChunks:
             self.changed.append(self.path)
 
 
-def _sorted_entries(path: str) -> Iterator[os.DirEntry]:
+def _sorted_entries(path: str, changed: list[str] | None = None) -> Iterator[os.DirEntry]:
+    """A directory's entries by name; one removed since its parent was listed is empty, warned about
+    and named in ``changed`` (it aborted the whole pack), as GNU tar goes on past it."""
     try:
         with os.scandir(path) as it:
             return iter(sorted(it, key=lambda e: e.name))
+    except FileNotFoundError:
+        if changed is None:
+            raise UsageError(f"{path}: no such directory") from None
+        log.warning("%s: removed before it was packed", path)
+        changed.append(path)
+        return iter(())
     except OSError as exc:
         raise UsageError(f"{path}: cannot list directory ({exc.strerror})") from None
 
@@ -196,7 +220,9 @@ def entries_from_directory(
     nothing written into it afterwards moves that mtime). ``skip``: a path not to pack (the output).
     ``changed`` collects the files that changed or vanished while packing (see ``_FileChunks``)."""
     changed = [] if changed is None else changed
-    root = os.path.abspath(root)
+    # Resolved as the kernel does: abspath made "link/.." the current directory, not the parent
+    # of the link's target, and packed another directory than `tar -C link/..` does.
+    root = os.path.realpath(root)
     out: list[PackEntry] = []
     seen_inodes: dict[tuple[int, int], str] = {}
     skipped = 0
@@ -220,13 +246,21 @@ def entries_from_directory(
         common = {"mode": statmod.S_IMODE(mode), "mtime": st.st_mtime, "uid": st.st_uid, "gid": st.st_gid}
         if statmod.S_ISDIR(mode):
             out.append(PackEntry(rel, DIR, **common))
-            stack.append((rel, _sorted_entries(item.path)))
+            stack.append((rel, _sorted_entries(item.path, changed)))
         elif statmod.S_ISLNK(mode):
-            out.append(PackEntry(rel, SYMLINK, link=os.readlink(item.path), **common))
+            try:
+                target = os.readlink(item.path)
+            except OSError as exc:  # removed or replaced since it was listed
+                if exc.errno not in (errno.ENOENT, errno.EINVAL):
+                    raise
+                log.warning("%s: removed before it was packed", item.path)
+                changed.append(item.path)
+                continue
+            out.append(PackEntry(rel, SYMLINK, link=target, **common))
         elif statmod.S_ISREG(mode):
             key = (st.st_dev, st.st_ino)
             first = seen_inodes.get(key) if st.st_nlink > 1 else None
-            chunks = _FileChunks(root, rel, st.st_size, key, changed)
+            chunks = _FileChunks(root, rel, st.st_size, key, changed, st.st_ctime_ns)
             if first is not None:
                 out.append(PackEntry(rel, HARDLINK, size=st.st_size, link=first, read=chunks, **common))
             else:
@@ -375,6 +409,7 @@ class _SeekableZstdSink(_TarSink):
         self._frame_size = frame_size
         self._buf = bytearray()
         self._entries: list[tuple[int, int]] = []  # (compressed, decompressed) per written frame
+        self._frames = 0  # cut so far (written or in flight)
         self._level = level
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
@@ -392,6 +427,12 @@ class _SeekableZstdSink(_TarSink):
     def _cut(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
             return
+        self._frames += 1
+        if self._frames >= MAX_SEEK_TABLE_FRAMES:  # one entry is left for the member index frame
+            raise UsageError(
+                f"more than {MAX_SEEK_TABLE_FRAMES - 1} frames, the seek table's limit: "
+                f"use a larger --frame-size than {self._frame_size}"
+            )
         job: Future | bytes = self._pool.submit(self._compress, data) if self._pool else self._compress(data)
         self._inflight.append((job, len(data)))
         while len(self._inflight) > self._max_inflight or (self._pool is None and self._inflight):
@@ -608,22 +649,45 @@ def _inside(src: str, out: str) -> str:
     return os.path.relpath(replaced, real_src)
 
 
+def _bytes_to_write(entries: list[PackEntry], kind: str) -> int:
+    """What the progress bar counts: file bytes, and in a ZIP the copies hard links become."""
+    kinds = (FILE, HARDLINK) if kind == "zip" else (FILE,)
+    return sum(e.size for e in entries if e.kind in kinds)
+
+
+def _keep_mode_of(out: str, fd: int) -> None:
+    """``--force`` over a regular file: the new one keeps its mode (and owner, where allowed), as
+    GNU tar's output does; a private 0600 archive came back 0644."""
+    try:
+        st = os.lstat(out)
+    except OSError:
+        return
+    if statmod.S_ISREG(st.st_mode):
+        os.fchmod(fd, statmod.S_IMODE(st.st_mode))
+        with contextlib.suppress(OSError):
+            os.fchown(fd, st.st_uid, st.st_gid)
+
+
 def _create_partial(out: str) -> tuple[BinaryIO, str]:
     """A new temporary file beside ``out`` (its hidden ``.partial`` name), open for writing.
 
     Created exclusively and never through a link (``O_EXCL | O_NOFOLLOW``): a name that can be guessed
     in a shared directory must not let a planted symlink redirect the archive onto another file. The
     mode is the usual new-file mode (0o666 less the umask), as ``open(out, "wb")`` would give."""
-    directory, name = os.path.split(os.path.abspath(out))
+    # Beside the entry os.replace swaps (its directory resolved: "link/../x" is not "./x"), under
+    # a name short enough for any legal ``out`` (NAME_MAX is 255 bytes).
+    directory, name = os.path.split(_replaced_entry(out))
+    short = name.encode("utf-8", "surrogateescape")[:64].decode("utf-8", "ignore")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     for _ in range(100):
-        tmp = os.path.join(directory, f".{name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+        tmp = os.path.join(directory, f".{short}.partial-{os.getpid()}-{secrets.token_hex(4)}")
         try:
             fd = os.open(tmp, flags, 0o666)
         except FileExistsError:
             continue
         except OSError as exc:  # name what the user asked for, not our temporary file
             raise UsageError(f"{out}: cannot write it ({exc.strerror})") from None
+        _keep_mode_of(out, fd)
         return os.fdopen(fd, "wb"), tmp
     raise UsageError(f"{out}: cannot write it (no free temporary name beside it)")
 
@@ -805,15 +869,15 @@ def _pack(
                 progress = lambda done, _total: report(raw.tell(), total)  # noqa: E731
         elif os.path.isdir(src):
             # An output inside the directory (overwritten with --force) is not packed into itself.
-            skip = os.path.join(os.path.abspath(src), _inside(src, out))
+            skip = os.path.join(os.path.realpath(src), _inside(src, out))
             entries = listed = entries_from_directory(src, skip=skip, changed=changed)
-            total = sum(e.size for e in listed if e.kind == FILE)
+            total = _bytes_to_write(listed, kind)
         else:
             from cdmlfs.archive import Archive
 
             archive = Archive(src, cache_size=256 << 20, **archive_options)
             entries = listed = entries_from_archive(archive)
-            total = sum(e.size for e in listed if e.kind == FILE)
+            total = _bytes_to_write(listed, kind)
         started = time.monotonic()
         f, tmp = _create_partial(out)
         try:
