@@ -37,6 +37,7 @@ from typing import Protocol
 
 from cdmlfs import decoders, forksafe, inflate
 from cdmlfs.cache import ExtentCache, Reservation
+from cdmlfs.crc_coverage import CrcCoverage
 from cdmlfs.errors import (
     CorruptMemberError,
     EncryptedMemberError,
@@ -136,7 +137,7 @@ class ExtentReader:
         # fails too, whatever path or offset it takes, so no page of it is ever served unverified again).
         self._verified = bytearray(self.index.entry_count)
         self._corrupt: dict[int, str] = {}  # why a CORRUPT member failed
-        self._stored_crc: dict[int, tuple[int, int]] = {}  # large stored: (next offset, running crc)
+        self._stored_crc: dict[int, CrcCoverage] = {}  # large stored members read so far
         self._forward: dict[int, _Forward] = {}
         self._build_locks: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
@@ -242,20 +243,19 @@ class ExtentReader:
             dst[:] = self.source.read_at(at, n)
 
     def _track_stored_crc(self, eid: int, offset: int, data, total: int) -> None:
-        """Check a large stored member's CRC as a sequential reader reaches its end.
+        """Check a large stored member's CRC once its bytes have all been read, in any order.
 
-        Such members are too large to read whole on first access; random reads
-        into them are served unverified (documented), sequential ones verified.
+        Such members are too large to read whole on first access; reads are served as they
+        come, unverified until then (documented), and the read that completes the coverage
+        fails if the CRC does not match.
         """
         crc = self.index.crc[eid]
         with self._lock:
-            nxt, running = self._stored_crc.get(eid, (0, 0))
-            if offset != nxt:
-                return
-            running = inflate.crc32(data, running)
-            nxt += len(data)
-            if nxt < total:
-                self._stored_crc[eid] = (nxt, running)
+            coverage = self._stored_crc.get(eid)
+            if coverage is None:
+                coverage = self._stored_crc[eid] = CrcCoverage(total)
+            running = coverage.add(offset, data)
+            if running is None:
                 return
             self._stored_crc.pop(eid, None)
         if running != crc:

@@ -351,6 +351,25 @@ def test_large_stored_member_with_a_bad_crc_stays_eio(both_paths: str, tmp_path:
     assert "'big.bin' failed: CRC mismatch" in log.read_text()
 
 
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_large_stored_member_read_again_after_a_partial_read_is_still_checked(
+    direct_io: bool, tmp_path: Path, mnt: Path
+) -> None:
+    """`head` then `cat`: the second pass started again at offset 0, past the one running CRC, and
+    the whole member was served with its flipped byte, status 0."""
+    data = os.urandom(6 << 20)
+    archive = tmp_path / "big.zip"
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("big.bin", data)
+    flip_byte_in_member(archive, "big.bin")
+    extra = ["--direct-io-min", "1M"] if direct_io else []
+    with mounted(archive, mnt, "--cache-size", "16M", *extra):
+        head = subprocess.run(["head", "-c", "4096", str(mnt / "big.bin")], capture_output=True, timeout=60)
+        assert head.stdout == data[:4096]
+        res = _cat(mnt / "big.bin")
+        assert res.returncode != 0 and b"Input/output error" in res.stderr
+
+
 def test_empty_members_whose_record_contradicts_them_are_eio(
     both_paths: str, tmp_path: Path, mnt: Path
 ) -> None:
