@@ -1236,3 +1236,59 @@ def test_a_persisted_sparse_map_out_of_order_is_not_trusted() -> None:
     table.sparse[0] = array("Q", [50, 10, 0, 10])  # what a tampered or corrupt index file could say
     with pytest.raises(MemberTableError, match="out of order"):
         MemberTable.decode(table.encode())
+
+
+def test_an_embedded_index_that_decodes_past_what_the_stream_can_hold_is_not_decoded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A few KB of payload (1 GiB of zeros, compressed) were decoded whole before their size was
+    checked against a fixed 4 GiB: a small file took a GB of memory to open."""
+    import json
+    import resource
+
+    from cdmlfs.formats.tar import EMBEDDED_INDEX_MAGIC, EMBEDDED_INDEX_NIBBLE
+    from cdmlfs.zstd_seekable import seek_table_frame, skippable_frame
+
+    tar = io.BytesIO()
+    with tarfile.open(fileobj=tar, mode="w") as tf:
+        info = tarfile.TarInfo("a.txt")
+        info.size = 3
+        tf.addfile(info, io.BytesIO(b"abc"))
+    data = tar.getvalue()
+    frame = zstandard.ZstdCompressor().compress(data)
+    zeros = zstandard.ZstdCompressor(level=1).compressobj()
+    body = b"".join([zeros.compress(bytes(1 << 20)) for _ in range(256)]) + zeros.flush()  # 256 MiB
+    header = json.dumps({"crc32": zlib.crc32(body), "length": len(body)}).encode()
+    index = skippable_frame(EMBEDDED_INDEX_MAGIC + struct.pack("<I", len(header)) + header + body,
+                            EMBEDDED_INDEX_NIBBLE)  # fmt: skip
+    archive = tmp_path / "bomb.tar.zst"
+    archive.write_bytes(frame + index + seek_table_frame([(len(frame), len(data)), (len(index), 0)]))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with caplog.at_level(logging.WARNING), Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.read("a.txt") == b"abc"  # scanned instead
+    grew_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert "embedded index is unusable" in caplog.text and "decodes to more than" in caplog.text
+    assert grew_mib < 64, grew_mib
+
+
+def test_member_names_that_add_up_past_the_budget_are_refused_while_scanning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compressed, megabyte pax paths cost nothing on disk: 48 of 8 MiB in 18 KB of .tar.zst made
+    opening take 1.2 GB before the index builder's own budget could refuse them. (The budget is
+    lowered here to keep the test small.)"""
+    from cdmlfs.formats import tar as tarmod
+
+    monkeypatch.setattr(tarmod, "PATH_BYTES_BASE", 1 << 20)
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for i in range(4):
+            info = tarfile.TarInfo(f"{i}/" + "n" * (512 << 10))
+            tf.addfile(info, io.BytesIO())
+    archive = tmp_path / "names.tar.zst"
+    archive.write_bytes(zstandard.ZstdCompressor().compress(raw.getvalue()))
+    with pytest.raises(ArchiveFormatError, match="member names of this tar add up"):
+        Archive(str(archive), index_dir=str(tmp_path / "idx"))
+    monkeypatch.undo()
+    with Archive(str(archive), index_dir=str(tmp_path / "idx2")) as ar:  # the real budget: fine
+        assert len(ar.listdir("")) == 4
