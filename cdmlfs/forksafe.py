@@ -14,6 +14,7 @@ unusable in the child. Objects registered here get two callbacks:
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401 (its fork hook must be registered before ours, see below)
 import logging
 import os
 import weakref
@@ -48,4 +49,8 @@ def _after_child() -> None:
 
 
 if hasattr(os, "register_at_fork"):
+    # Before-fork hooks run in reverse order of registration. concurrent.futures takes its global
+    # lock in one; registered after it, ours runs first: our hooks shut pools down (and wait for
+    # their threads), which a reader submitting to such a pool meanwhile would otherwise deadlock
+    # against (the reader holds the pool's lock and waits for the global one, the fork the reverse).
     os.register_at_fork(before=_before, after_in_child=_after_child)

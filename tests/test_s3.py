@@ -1083,3 +1083,21 @@ def test_a_malformed_aws_config_is_one_line_and_secrets_stay_out_of_debug_logs(t
     ]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode != 0 and "S3CRET" not in res.stderr + res.stdout, res.stderr
+
+
+def test_a_tls_error_in_the_middle_of_a_body_is_retried() -> None:
+    """botocore wraps only some of urllib3's errors when a body is read: a TLS record broken mid-body
+    came through as urllib3's SSLError (no OSError), was not classified, and escaped every retry as
+    an internal error (EIO with a traceback, no 'giving up' line)."""
+    import ssl
+
+    from urllib3.exceptions import ProtocolError
+    from urllib3.exceptions import SSLError as Urllib3SSLError
+
+    obj = s3mod.S3Object.__new__(s3mod.S3Object)  # classification needs no connection
+    for exc in (
+        Urllib3SSLError(ssl.SSLError(1, "[SSL: DECRYPTION_FAILED_OR_BAD_RECORD_MAC]")),
+        ProtocolError("x"),
+    ):
+        with pytest.raises(s3mod._Transient):
+            obj._classify(exc, opening=False)

@@ -302,6 +302,51 @@ def test_forked_child_reads_with_fresh_pools() -> None:
     layer.close()
 
 
+def test_a_pool_shut_down_under_a_reader_is_replaced_not_left_with_orphan_requests() -> None:
+    """A fork's hook (or close) can shut a pool down after a reader took it and before it submits:
+    submit raised RuntimeError, the reader got EIO and the planned spans went to no thread, so
+    every later read of those bytes waited for ever."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = random.Random(13).randbytes(4 * MiB)
+    layer, _, _ = make(data, part_size=1 * MiB)
+    dead = ThreadPoolExecutor(1)
+    dead.shutdown()
+    layer._fg_pool = layer._pf_pool = dead  # what a reader holding the pool meets after the hook
+    assert layer.read(1000, 3 * MiB) == data[1000 : 1000 + 3 * MiB]
+    assert layer.read(0, 4 * MiB) == data
+    layer.close()
+    with pytest.raises(SourceError):
+        layer.read(0, 10)
+
+
+def test_our_fork_hook_runs_before_concurrent_futures_takes_its_global_lock() -> None:
+    """Python runs before-fork hooks in reverse order of registration: ours, registered first,
+    ran with concurrent.futures' global lock held, and a reader submitting to a pool our hook was
+    shutting down deadlocked the fork (it held the pool's lock, waiting for the global one)."""
+    import concurrent.futures.thread as cft
+
+    from cdmlfs import forksafe
+
+    class Probe:
+        def __init__(self) -> None:
+            self.held: list[bool] = []
+
+        def _before_fork(self) -> None:
+            self.held.append(cft._global_shutdown_lock.locked())
+
+        def _after_fork_child(self) -> None:
+            pass
+
+    probe = Probe()
+    forksafe.register(probe)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert probe.held == [False]
+
+
 def test_close_fails_waiters_instead_of_hanging() -> None:
     data = bytes(4 * MiB)
     release = threading.Event()
@@ -441,4 +486,20 @@ def test_settled_spans_do_not_keep_evicted_bytes_alive() -> None:
     finally:
         tracemalloc.stop()
     assert held < 16 * MiB + 4 * MiB, held / MiB  # the cache, plus a little
+    layer.close()
+
+
+def test_foreground_parts_together_stay_within_a_quarter_of_the_cache() -> None:
+    """Requests a reader waits for are not reserved in the cache: 8 workers of 1/8-cache parts could
+    hold a whole cache's worth outside the bound."""
+    for limit in (4 * MiB, 64 * MiB, 256 * MiB, 1 << 30):
+        layer, _, _ = make(b"x" * 1024, cache_limit=limit)
+        workers, part = layer.config.foreground_workers, layer.foreground_part
+        assert workers * part <= max(limit // 4, workers * 64 * KiB)
+        assert part == 8 * MiB or limit < 256 * MiB
+        assert layer.config.part_size == min(8 * MiB, limit // 8)  # prefetch parts are reserved: as before
+        layer.close()
+    layer, remote, _ = make(bytes(range(256)) * (64 * KiB), cache_limit=32 * MiB)  # 16 MiB
+    assert layer.read(0, 16 * MiB) == bytes(range(256)) * (64 * KiB)
+    assert max(e - s for s, e in remote.calls) <= 1 * MiB  # a quarter of the cache over 8 workers
     layer.close()

@@ -125,7 +125,13 @@ class BlockLayer:
         # Nothing may exceed what the cache can reserve next to other users.
         cap = max(64 * KiB, cache.limit // 8)
         cfg.part_size = max(64 * KiB, min(cfg.part_size, cap))
-        cfg.min_parallel_part = min(cfg.min_parallel_part, cfg.part_size)
+        # Requests a reader waits for are not reserved (they must never wait on the cache): all
+        # foreground workers' parts together stay within a quarter of it, the bound's allowance
+        # for bytes in flight outside the cache (8 parts of 1/8 were a whole cache's worth).
+        self.foreground_part = max(
+            64 * KiB, min(cfg.part_size, cache.limit // (4 * max(1, cfg.foreground_workers)))
+        )
+        cfg.min_parallel_part = min(cfg.min_parallel_part, self.foreground_part)
         ra.max_window = max(ra.min_window, min(ra.max_window, cache.limit // 4))
         self.config = cfg
         self.readahead = ra
@@ -209,10 +215,33 @@ class BlockLayer:
 
     # -- reading ------------------------------------------------------------------
     def _submit(self, own: list[_Span]) -> None:
-        if own:
-            pool = self._pool(prefetch=False)
-            for span in own:
-                pool.submit(self._run_foreground, span)
+        for span in own:
+            if not self._start(span, self._run_foreground, prefetch=False):
+                with self._lock:
+                    self._remove_if_indexed(span)
+                _settle(span, exc=SourceError(f"{self.name}: source closed during the read"))
+
+    def _start(self, span: _Span, run: Callable[[_Span], None], prefetch: bool) -> bool:
+        """Hand ``span`` to a pool thread; False when the source is closed.
+
+        A pool can be shut down between taking it and submitting to it (a fork's hook, close):
+        the span then went to no thread and its readers waited for ever. A fresh pool takes it.
+        """
+        for _ in range(3):
+            try:
+                pool = self._pool(prefetch)
+            except RuntimeError:  # closed
+                return False
+            try:
+                pool.submit(run, span)
+                return True
+            except RuntimeError:  # "cannot schedule new futures after shutdown"
+                with self._pool_lock:
+                    if self._fg_pool is pool:
+                        self._fg_pool = None
+                    if self._pf_pool is pool:
+                        self._pf_pool = None
+        return False
 
     @staticmethod
     def _collect(pieces: list, waiters: list[_Waiter]) -> list[tuple[int, bytes]]:
@@ -282,10 +311,10 @@ class BlockLayer:
         return pieces, own, waits
 
     def _split(self, lo: int, hi: int) -> list[tuple[int, int]]:
-        """Parts of a missing range: at most part_size, spread over the pool when large."""
+        """Parts of a missing range: at most ``foreground_part``, spread over the pool when large."""
         cfg = self.config
         n = hi - lo
-        parts = -(-n // cfg.part_size)
+        parts = -(-n // self.foreground_part)
         if n >= 2 * cfg.min_parallel_part:
             parts = max(parts, min(cfg.foreground_workers, n // cfg.min_parallel_part))
         step = -(-n // parts)
@@ -340,10 +369,12 @@ class BlockLayer:
                     self._insert(span)
                     new.append(span)
                     stream.prefetched.append(span)
-        if new:
-            pool = self._pool(prefetch=True)
-            for span in new:
-                pool.submit(self._run_prefetch, span)
+        for span in new:
+            if not self._start(span, self._run_prefetch, prefetch=True):
+                with self._lock:  # closed: as close() leaves a prefetch nobody waits for
+                    span.cancelled = True
+                    self._remove_if_indexed(span)
+                _settle(span, exc=SourceError(f"{self.name}: source closed during the read"))
 
     def _run_prefetch(self, span: _Span) -> None:
         cache = self.cache
@@ -447,7 +478,10 @@ class BlockLayer:
 
     # -- pools and fork -----------------------------------------------------------
     def _pool(self, prefetch: bool) -> ThreadPoolExecutor:
+        """The pool for fetches (made on first use, and again after a fork); RuntimeError once closed."""
         with self._pool_lock:
+            if self._closed:  # a pool made now would never be shut down
+                raise RuntimeError(f"{self.name}: closed")
             if prefetch:
                 if self._pf_pool is None:
                     self._pf_pool = ThreadPoolExecutor(

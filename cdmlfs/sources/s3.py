@@ -657,7 +657,19 @@ class S3Object:
             # These fail the same way every time (https to a plain-http port, a certificate that
             # does not verify): retrying only delays the message. A dropped handshake is retried.
             raise SourceError(f"{self.location}: TLS failed ({_redact(str(exc))})") from None
-        if isinstance(exc, (ConnectionError, HTTPClientError, IncompleteReadError, OSError, HTTPException)):
+        from urllib3.exceptions import HTTPError as Urllib3Error
+
+        # urllib3's own errors reach us from a body read (botocore wraps only some): a TLS record
+        # broken mid-body (urllib3's SSLError, no OSError) escaped unretried as an internal error.
+        transient = (
+            ConnectionError,
+            HTTPClientError,
+            IncompleteReadError,
+            OSError,
+            HTTPException,
+            Urllib3Error,
+        )
+        if isinstance(exc, transient):
             raise _Transient(f"{type(exc).__name__}: {_redact(str(exc))}") from None
         if isinstance(exc, BotoCoreError):
             raise SourceError(f"{self.location}: {_redact(str(exc))}") from None
