@@ -110,3 +110,14 @@ def flip_byte_in_member(archive: Path, member: str) -> None:
         b = f.read(1)
         f.seek(pos)
         f.write(bytes([b[0] ^ 0x5A]))
+
+
+def stored_zip_with_a_flipped_byte(path: Path, name: str, size: int) -> bytes:
+    """A ZIP of one stored member of ``size`` random bytes plus ``ok.txt`` ("hello"), with one byte
+    of the member flipped in the archive; returns the member's original bytes."""
+    data = os.urandom(size)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr(name, data)
+        zf.writestr("ok.txt", b"hello")
+    flip_byte_in_member(path, name)
+    return data

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import random
-import zipfile
 import zlib
 from pathlib import Path
 
 import pytest
-from archives import flip_byte_in_member
+from archives import stored_zip_with_a_flipped_byte
 
 import cdmlfs
 from cdmlfs.crc_coverage import CrcCoverage, crc32_combine
@@ -56,21 +54,12 @@ def test_runs_are_bounded() -> None:
     assert len(cov._starts) == 4
 
 
-def _flipped_big_member(tmp_path: Path) -> tuple[Path, bytes]:
-    data = os.urandom(6 << 20)
-    archive = tmp_path / "big.zip"
-    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as zf:
-        zf.writestr("big", data)
-        zf.writestr("ok.txt", b"fine")
-    flip_byte_in_member(archive, "big")
-    return archive, data
-
-
 @pytest.mark.parametrize("how", ["head then all", "out of order"])
 def test_a_flipped_byte_in_a_large_stored_member_is_caught_on_any_full_pass(how: str, tmp_path: Path) -> None:
     """One running CRC from offset 0 missed a member read again from 0 after a partial read, or
     read out of order: every byte was served, wrong, and no error came."""
-    archive, data = _flipped_big_member(tmp_path)
+    archive = tmp_path / "big.zip"
+    data = stored_zip_with_a_flipped_byte(archive, "big", 6 << 20)
     with cdmlfs.open(str(archive), cache_size=4 << 20) as ar:  # too large for a whole-member check
         with pytest.raises(CorruptMemberError):
             if how == "head then all":
@@ -85,4 +74,4 @@ def test_a_flipped_byte_in_a_large_stored_member_is_caught_on_any_full_pass(how:
                     ar.read("big", off, 1 << 20)
         with pytest.raises(CorruptMemberError):  # and from now on, whatever the offset
             ar.read("big", 0, 10)
-        assert ar.read("ok.txt") == b"fine"
+        assert ar.read("ok.txt") == b"hello"

@@ -20,7 +20,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from archives import flip_byte_in_member, text_bytes
+from archives import flip_byte_in_member, stored_zip_with_a_flipped_byte, text_bytes
 from fuzz import craft
 from mountutil import daemon_pid, hwm_kib, is_mounted, mount_stats, mounted, rss_kib, run_cli
 from test_hostile import FILE_ABC, _base256, _pax, _tar_block, zeros_member
@@ -336,12 +336,8 @@ def test_large_stored_member_with_a_bad_crc_stays_eio(both_paths: str, tmp_path:
     """Too large for a whole-member check (cache 16 MiB): the CRC fails when a sequential read reaches
     the end. The kernel retries the failed readahead as a plain read; that, and every later read,
     must fail too instead of serving the member's bytes unchecked."""
-    data = os.urandom(8 << 20)
     archive = tmp_path / "big.zip"
-    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as zf:
-        zf.writestr("big.bin", data)
-        zf.writestr("ok.txt", b"hello")
-    flip_byte_in_member(archive, "big.bin")
+    stored_zip_with_a_flipped_byte(archive, "big.bin", 8 << 20)
     log = tmp_path / "daemon.log"
     with mounted(archive, mnt, "--cache-size", "16M", log_file=log):
         for _ in range(3):
@@ -357,11 +353,8 @@ def test_large_stored_member_read_again_after_a_partial_read_is_still_checked(
 ) -> None:
     """`head` then `cat`: the second pass started again at offset 0, past the one running CRC, and
     the whole member was served with its flipped byte, status 0."""
-    data = os.urandom(6 << 20)
     archive = tmp_path / "big.zip"
-    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as zf:
-        zf.writestr("big.bin", data)
-    flip_byte_in_member(archive, "big.bin")
+    data = stored_zip_with_a_flipped_byte(archive, "big.bin", 6 << 20)
     extra = ["--direct-io-min", "1M"] if direct_io else []
     with mounted(archive, mnt, "--cache-size", "16M", *extra):
         head = subprocess.run(["head", "-c", "4096", str(mnt / "big.bin")], capture_output=True, timeout=60)
