@@ -324,7 +324,9 @@ class ExtentReader:
                 f"symlink target is {size} bytes (more than {MAX_SYMLINK})", self.index.paths[eid]
             )
         target = bytes(self.view(eid, 0, size)).decode("utf-8", "surrogateescape")
-        return target
+        # A NUL ended the target the kernel saw (a C string) while lstat gave the member's size:
+        # "_" instead, as tar link names get, keeps the two in agreement.
+        return target.replace("\0", "_")
 
     def check_consistent(self, eid: int) -> None:
         """Raise CorruptMemberError for an entry whose own record is contradictory (see INCONSISTENT)."""

@@ -445,8 +445,12 @@ fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
     }
     /* Deflate: whole small members only (the kernel's first read of a small file covers it). */
     uint64_t comp = COL(t, COL_COMP, uint64_t)[e];
+    /* The compressed bytes are read whole into memory the cache never reserved: only as many as a
+     * real deflate stream of `total` bytes can take (stored blocks add 5 bytes per 64 KiB). A
+     * record declaring 60 MiB for 100 bytes made each libfuse thread allocate them; Python
+     * reserves, reads and reports such a member. */
     if (off != 0 || size < total || (int64_t)total > t->whole_limit || comp > (uint64_t)t->whole_limit + 1024 ||
-        total > comp * DEFLATE_MAX_RATIO + DEFLATE_RATIO_SLACK)
+        comp > total + total / 16 + 1024 || total > comp * DEFLATE_MAX_RATIO + DEFLATE_RATIO_SLACK)
         goto slow;
     struct libdeflate_decompressor *d = decompressor();
     if (!d)

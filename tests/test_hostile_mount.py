@@ -109,6 +109,40 @@ def test_bomb_too_large_for_a_small_cache_is_eio_and_logged(tmp_path: Path, mnt:
     assert "--cache-size" in log.read_text()
 
 
+def test_small_members_declaring_huge_compressed_sizes_stay_within_the_cache(
+    tmp_path: Path, mnt: Path
+) -> None:
+    """100 bytes each, declared 16 MiB compressed (a hole on disk): the C fast path read the whole
+    compressed size into memory the cache never reserved, in every libfuse worker at once."""
+    import threading
+
+    text = b"x" * 100
+    comp = craft.deflate_raw(text)
+    pad = (16 << 20) - len(comp)
+    names = [f"m{i}" for i in range(8)]
+    # Each member's data: its stream, then zeros to the declared size (corrupt: EIO on any path).
+    members = [craft.member(n, text, data=comp + bytes(pad)) for n in names] + [craft.member("ok", b"fine")]
+    archive = tmp_path / "huge-comp.zip"
+    archive.write_bytes(craft.build_zip(members))
+    with mounted(archive, mnt, "--cache-size", "64M", "--threads", "multi"):
+        pid = daemon_pid(mnt)
+        base = hwm_kib(pid)
+        results: list[int | bytes] = []
+        threads = [
+            threading.Thread(target=lambda n=n: results.append(read_bounded(mnt / n))) for n in names * 2
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        growth = _growth_mib(pid, base)
+        assert results == [errno.EIO] * len(threads)
+        assert read_bounded(mnt / "ok") == b"fine"
+    # Reserved in the cache, at most three such reads (16 MiB + 100 each) fit in 64 MiB at once
+    # (measured +32 MiB); the C path read them unreserved in every worker (+80 MiB here).
+    assert growth < 64, f"daemon grew {growth:.0f} MiB with a 64 MiB cache"
+
+
 def test_overlapping_members_on_a_mount_stay_within_the_cache(tmp_path: Path, mnt: Path) -> None:
     body = zeros_member("x", 6)
     members = [body] + [
@@ -429,3 +463,14 @@ def test_finished_forward_decoders_give_their_memory_back(tmp_path: Path, mnt: P
             growth.append((rss_kib(pid) - base) / 1024)
         # Kept decoders would add ~40 MiB each (160 MiB for four); the cache is 16 MiB.
         assert max(growth) < 16 + 40, growth
+
+
+def test_a_zip_symlink_target_with_a_nul_reads_as_lstat_says(tmp_path: Path, mnt: Path) -> None:
+    """The kernel took the target as a C string and stopped at the NUL, while lstat gave the
+    member's whole size; a NUL becomes "_", as in tar link names."""
+    archive = tmp_path / "nul.zip"
+    link = craft.member("lnk", b"abc\0def", method=0, mode=0o120777)
+    archive.write_bytes(craft.build_zip([link, craft.member("ok", b"fine")]))
+    with mounted(archive, mnt):
+        assert os.readlink(mnt / "lnk") == "abc_def"
+        assert os.lstat(mnt / "lnk").st_size == len("abc_def")
