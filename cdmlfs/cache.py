@@ -151,12 +151,14 @@ class ExtentCache:
         whole limit is a caller bug (decoders split large members into bounded
         extents), so it raises.
         """
-        token = self.hold(nbytes)
-        assert token is not None
+        token = None
         try:
+            token = self.hold(nbytes)
+            assert token is not None
             yield token
         finally:
-            token.release()
+            if token is not None:
+                token.release()
 
     def hold(self, nbytes: int, wait: bool = True) -> Reservation | None:
         """Like :meth:`reserve`, for room that outlives one call (a decode finished in the background).
@@ -171,21 +173,29 @@ class ExtentCache:
                 if not wait:
                     return None
                 self._room.wait()
+            token = Reservation(self, nbytes)
             self._reserved += nbytes
-            self._evict_locked(self._reserved)
-        return Reservation(self, nbytes)
+            try:
+                self._evict_locked(self._reserved)
+            except BaseException:  # Ctrl-C or a hook failing mid-eviction: no token, so no leak
+                self._reserved -= nbytes
+                token.remaining = 0
+                self._room.notify_all()
+                raise
+        return token
 
     def _release(self, token: Reservation) -> None:
         with self._room:
-            self._reserved -= token.remaining
-            token.remaining = 0
+            # Zeroed first: interrupted in between, a token leaks room rather than releasing twice.
+            n, token.remaining = token.remaining, 0
+            self._reserved -= n
             self._room.notify_all()
 
     def _commit(self, token: Reservation, key: Hashable, value: object) -> None:
         size = _nbytes(value)
         with self._room:
-            self._reserved -= token.remaining
-            token.remaining = 0
+            n, token.remaining = token.remaining, 0
+            self._reserved -= n
             if size <= self.limit - self._reserved:
                 self._evict_locked(size + self._reserved)
                 self._store_locked(key, value)

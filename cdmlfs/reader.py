@@ -444,7 +444,7 @@ class ExtentReader:
         80 MiB of them: more than a small cache holds, and a checkpoint index the
         cache cannot keep is rebuilt, inflating the whole member, on every read.
         Longer intervals keep it cacheable (a random read then inflates one longer
-        interval); when even intervals of half the cache would not do, the read is
+        interval); when even intervals of 3/8 of the cache would not do, the read is
         refused with a message naming the cache size that would.
         """
         from cdmlfs import checkpoints
@@ -457,8 +457,11 @@ class ExtentReader:
             return spacing
         spacing = -(-size * per_point // max(limit // 4, 1))
         spacing = -(-spacing // (64 << 10)) * (64 << 10)
-        if spacing > limit // 2:
-            need = int((8 * size * per_point) ** 0.5) + (1 << 20)
+        # A read reserves an interval's output and its compressed input (up to as much again, for
+        # data that does not compress) next to the index: past 3/8 of the cache each, reading one
+        # evicted the index, and every read inflated the whole member again to rebuild it.
+        if spacing > 3 * limit // 8 - (64 << 10):
+            need = int((32 / 3 * size * per_point) ** 0.5) + (2 << 20)
             raise MemberError(
                 f"a {size >> 20} MiB deflated member needs a cache of at least {need >> 20} MiB "
                 f"for random access (the cache is {limit >> 20} MiB): mount with a larger --cache-size"

@@ -45,3 +45,27 @@ def test_get_refreshes_and_counts() -> None:
     assert cache.peek("a") is not None
     assert cache.peek("b") is None
     assert (cache.stats.hits, cache.stats.misses) == (1, 1)
+
+
+def test_an_exception_during_eviction_leaks_no_reservation() -> None:
+    """`hold` added its bytes to the reserved count, then evicted: Ctrl-C (or a failing hook) there
+    left the count raised with no token to release it, and later reads blocked for ever."""
+    import pytest
+
+    cache = _cache_of("a", "b", "c")
+    calls = []
+
+    def interrupted_once(key) -> None:
+        calls.append(key)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    cache.on_remove = interrupted_once
+    with pytest.raises(KeyboardInterrupt), cache.reserve(25):
+        pass
+    assert cache.reserved == 0
+    token = cache.hold(25, wait=False)  # room for it: nothing leaked
+    assert token is not None
+    token.release()
+    token.release()  # idempotent: released once
+    assert cache.reserved == 0

@@ -143,6 +143,42 @@ def test_huge_deflated_member_keeps_its_checkpoints_in_the_cache(tmp_path: Path)
         assert ar.read("ok") == b"fine"
 
 
+def test_an_incompressible_member_keeps_its_index_while_its_intervals_are_read(tmp_path: Path) -> None:
+    """An interval's reservation (its output and as much input again, for data that does not
+    compress) next to an index of a quarter of the cache: past 3/8 of the cache per interval, every
+    read evicted the index and inflated the whole member to rebuild it (17 builds in 20 reads).
+    Such a member now asks for a larger cache; one just within the bound is indexed once."""
+    import random
+
+    from cdmlfs import checkpoints
+
+    builds = []
+    real_build = checkpoints.DeflateCheckpoints.build.__func__
+
+    def counted(cls, *args, **kwargs):
+        builds.append(kwargs.get("spacing"))
+        return real_build(cls, *args, **kwargs)
+
+    rng = random.Random(7)
+    for size, cache, refused in ((3_500_000, 1 << 20, True), (1_700_000, 1 << 20, False)):
+        data = rng.randbytes(size)
+        blob = craft.build_zip(
+            [craft.member("noise", data, data=craft.deflate_raw(data, 1)), craft.member("ok", b"ok")]
+        )
+        builds.clear()
+        with _open(blob, tmp_path, cache=cache) as ar, pytest.MonkeyPatch.context() as mp:
+            mp.setattr(checkpoints.DeflateCheckpoints, "build", classmethod(counted))
+            for _ in range(20):
+                off = rng.randrange(size - 4096)
+                if refused:
+                    with pytest.raises(MemberError, match="--cache-size"):
+                        ar.read("noise", off, 4096)
+                else:
+                    assert ar.read("noise", off, 4096) == data[off : off + 4096]
+            assert ar.read("ok") == b"ok"
+        assert len(builds) == (0 if refused else 1), builds
+
+
 def test_deflated_member_too_large_for_the_cache_is_eio_with_the_size_to_use() -> None:
     blob = craft.build_zip([zeros_member("zeros.bin", 2048), craft.member("ok", b"fine")])
     with _open(blob, cache=8 << 20) as ar:
