@@ -377,8 +377,15 @@ class Archive:
         return [index.paths[e] for e in index.walk(0) if index.kind[e] == FILE]
 
     def archive_order(self) -> list[str]:
-        """File paths in the order their bytes lie in the archive (one forward pass reads them all)."""
-        return [self.index.paths[e] for e in self.index.files_in_archive_order()]
+        """File paths in the order their bytes lie in the archive (one forward pass reads them all).
+
+        Every name of a file, hard links too (next to the name holding the data): a dataset made
+        from this list lost the samples whose names were tar hard links.
+        """
+        index = self.index
+        ids = [e for e in index.walk(0) if index.kind[e] == FILE]
+        ids.sort(key=lambda e: index.offset[index.data_entry(e)])
+        return [index.paths[e] for e in ids]
 
     def position(self, path: str) -> int:
         """Where a file's bytes lie in the archive (sort key of ``archive_order``)."""
@@ -524,6 +531,9 @@ class MemberFile(io.RawIOBase):
         self._reader = reader
         self._eid = eid
         self._pos = 0
+        # Read at the position and advance it as one step, as the kernel does for FileIO: threads
+        # sharing an unbuffered file got some bytes twice (the read releases the GIL).
+        self._pos_lock = threading.Lock()
         self._size = reader.index.size[reader.index.data_entry(eid)]
         self.name = name
 
@@ -566,8 +576,12 @@ class MemberFile(io.RawIOBase):
             raise ValueError(f"invalid whence {whence}")
         if pos < 0:
             raise OSError(22, "negative seek position")
-        self._pos = pos
+        with self._pos_lock:
+            self._pos = pos
         return pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        return super().read(-1 if size is None else size)  # FileIO's read(None) reads it all
 
     def readinto(self, buf) -> int:  # type: ignore[override]
         self._check_open()
@@ -575,14 +589,16 @@ class MemberFile(io.RawIOBase):
         if not view.contiguous:
             raise BufferError("readinto needs a contiguous buffer")
         view = view.cast("B")  # bytes, whatever the buffer's item type or shape (array('i'), numpy)
-        n = self._reader.read_into(self._eid, self._pos, view.nbytes, view)
-        self._pos += n
+        with self._pos_lock:
+            n = self._reader.read_into(self._eid, self._pos, view.nbytes, view)
+            self._pos += n
         return n
 
     def readall(self) -> bytes:
         self._check_open()
-        data = self._reader.read(self._eid, self._pos, max(self._size - self._pos, 0))
-        self._pos += len(data)
+        with self._pos_lock:
+            data = self._reader.read(self._eid, self._pos, max(self._size - self._pos, 0))
+            self._pos += len(data)
         return data
 
     @property

@@ -104,6 +104,11 @@ def _is_dead(path: str) -> bool:
     return False
 
 
+def _is_fuse(fstype: str) -> bool:
+    """A FUSE file system ("fuse", "fuseblk", "fuse.cdmlfs"), not the FUSE control one ("fusectl")."""
+    return fstype in ("fuse", "fuseblk") or fstype.startswith("fuse.")
+
+
 def is_mounted(path: str) -> bool:
     return mount_entry(path) is not None
 
@@ -113,7 +118,7 @@ def check_mountpoint(path: str, allow_nonempty: bool = False) -> str:
     entry = mount_entry(path)
     # A bind mount or container volume is a fine place to mount on; another FUSE mount is not. Found
     # in mountinfo first: a FUSE mount whose daemon is stuck would never answer a stat.
-    if entry is not None and entry["fstype"].startswith("fuse"):
+    if entry is not None and _is_fuse(entry["fstype"]):
         if _dead_within(path, DEAD_PROBE_SECONDS):
             raise UsageError(f"{path}: a dead mount is still attached here; run 'cdmlfs umount {path}' first")
         raise UsageError(f"{path}: already mounted ({entry['source']}); unmount it first")
@@ -149,11 +154,20 @@ def unmount(path: str, timeout: float = 10.0, lazy: bool = True) -> None:
     Anything else mounted there (a tmpfs, a disk, a bind mount) is refused: as
     root, ``umount`` would take it down too.
     """
-    entry = mount_entry(path)
-    # fusermount refuses a symlink (it unmounts with UMOUNT_NOFOLLOW): the mount point itself.
-    target = entry["mountpoint"] if entry is not None else _resolved_above(path)
-    if entry is None and not _is_dead(target):
-        if not os.path.lexists(target):
+    # Nothing here may wait on a daemon without a time limit: resolving a path inside a stopped
+    # daemon's mount (a folder of it given by mistake) never returned, nor did a statvfs there.
+    try:
+        entry = call_within(lambda: mount_entry(path), DEAD_PROBE_SECONDS)
+        # fusermount refuses a symlink (it unmounts with UMOUNT_NOFOLLOW): the mount point itself.
+        target = entry["mountpoint"] if entry is not None else call_within(lambda: _resolved_above(path), 1.0)
+    except TimeoutError:
+        raise UsageError(f"{path}: not a mount point, inside a mount that does not answer") from None
+    if entry is None and not _dead_within(target, DEAD_PROBE_SECONDS):
+        try:
+            exists = call_within(lambda: os.path.lexists(target), DEAD_PROBE_SECONDS)
+        except TimeoutError:
+            exists = True
+        if not exists:
             raise UsageError(f"{path}: no such directory")
         raise UsageError(f"{path}: not mounted")
     if entry is None:  # dead, but not a mount point itself: a path inside a dead mount?
@@ -161,11 +175,11 @@ def unmount(path: str, timeout: float = 10.0, lazy: bool = True) -> None:
         while parent != os.path.dirname(parent):
             above = mount_entry(parent)
             if above is not None:
-                if above["fstype"].startswith("fuse") and _is_dead(parent):
+                if _is_fuse(above["fstype"]) and _dead_within(parent, DEAD_PROBE_SECONDS):
                     raise UsageError(f"{path}: inside the dead mount {parent}; run 'cdmlfs umount {parent}'")
                 break
             parent = os.path.dirname(parent)
-    if entry is not None and not entry["fstype"].startswith("fuse"):
+    if entry is not None and not _is_fuse(entry["fstype"]):
         raise UsageError(f"{path}: not a FUSE mount ({entry['fstype']}); unmount it with umount yourself")
     # Wait for this mount to go, not for the path to be no mount point at all: a cdmlfs mount
     # stacked on a bind mount or tmpfs leaves that one there, and must not take it down too.
@@ -199,6 +213,20 @@ def unmount(path: str, timeout: float = 10.0, lazy: bool = True) -> None:
         return
     # A plain unmount needs nothing of the daemon; asking it whether it is dead does: only now,
     # and never waiting on one that is stuck (that one is busy, not dead: --lazy is the way).
+    if not lazy and _dead_within(target, DEAD_PROBE_SECONDS):
+        # A dead mount is detached lazily, but not with a live mount inside it: that one (and its
+        # readers) would go too, which only --lazy may do.
+        live_inside = [
+            e["mountpoint"]
+            for e in _mounts()
+            if e["mountpoint"].startswith(target.rstrip("/") + "/")
+            and not _dead_within(e["mountpoint"], DEAD_PROBE_SECONDS)
+        ]
+        if live_inside:
+            raise UsageError(
+                f"{path}: dead, but {live_inside[0]} is mounted inside it and still serves; unmount that "
+                f"first, or 'cdmlfs umount --lazy {path}' detaches both now"
+            )
     if (lazy or _dead_within(target, DEAD_PROBE_SECONDS)) and done(detach):
         return
     detail = next((e for e in errors if e), "unknown error")

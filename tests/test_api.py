@@ -731,3 +731,42 @@ def test_cli_rejects_huge_sizes_and_mfusepy_arguments_as_options_in_one_line(tmp
 def test_cli_takes_verbose_before_the_command(archive: Path) -> None:
     res = run_cli("-v", "ls", str(archive))
     assert res.returncode == 0 and "readme.txt" in res.stdout.decode(), res.stderr.decode()
+
+
+def test_threads_sharing_an_unbuffered_member_file_get_each_byte_once(tmp_path: Path) -> None:
+    """The position was read, the read ran (GIL released), and only then advanced: threads sharing
+    one file got some bytes twice, where FileIO (the kernel's position lock) gives each once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = random.Random(5).randbytes(1_100_000)
+    z = python_zip(tmp_path / "s.zip", {"f.bin": data}, zipfile.ZIP_STORED)
+    with cdmlfs.open(str(z), cache_size=1 << 20) as ar, ar.open("f.bin", buffering=0) as f:
+
+        def drain() -> list[bytes]:
+            got = []
+            while chunk := f.read(777):
+                got.append(chunk)
+            return got
+
+        with ThreadPoolExecutor(4) as pool:
+            chunks = [c for part in pool.map(lambda _: drain(), range(4)) for c in part]
+        assert sum(map(len, chunks)) == len(data)
+        f.seek(0)
+        assert f.read(None) == data  # as FileIO.read(None)
+
+
+def test_archive_order_lists_hard_link_names_too(tmp_path: Path) -> None:
+    """A dataset made from archive_order() silently lost the samples whose names were tar hard links."""
+    import tarfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_bytes(b"a")
+    (src / "b.txt").write_bytes(b"b")
+    os.link(src / "b.txt", src / "c.txt")
+    with tarfile.open(tmp_path / "t.tar", "w") as tf:
+        for name in ("a.txt", "b.txt", "c.txt"):
+            tf.add(src / name, arcname=name)
+    with cdmlfs.open(str(tmp_path / "t.tar"), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.archive_order() == ["a.txt", "b.txt", "c.txt"]
+        assert sorted(ar.archive_order()) == sorted(ar.files())

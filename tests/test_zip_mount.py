@@ -543,15 +543,58 @@ def test_umount_refuses_what_is_not_fuse(tmp_path: Path) -> None:
     """As root, umount(8) would take down any file system: only FUSE mounts (or dead ones) go."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    target = tmp_path / "tmpfs"
-    target.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "cdmlfs-test", str(target)], check=True)
+    for fstype, extra in (("tmpfs", ["-o", "size=1m"]), ("fusectl", [])):  # fusectl: "fuse..." too
+        target = tmp_path / fstype
+        target.mkdir()
+        subprocess.run(["mount", "-t", fstype, *extra, "cdmlfs-test", str(target)], check=True)
+        try:
+            res = run_cli("umount", str(target))
+            assert res.returncode != 0 and "not a FUSE mount" in res.stderr.decode(), fstype
+            assert is_mounted(target)
+        finally:
+            subprocess.run(["umount", str(target)], check=False)
+
+
+def test_umount_of_a_folder_inside_a_stopped_mount_answers(tmp_path: Path, mnt: Path) -> None:
+    """Not a mount point itself, the path was probed with a statvfs without a time limit: inside a
+    stopped daemon's mount, `cdmlfs umount` waited for ever."""
+    good = python_zip(tmp_path / "good.zip", {"d/x.txt": b"x"})
+    pid_file = tmp_path / "m.pid"
+    run_cli("mount", str(good), str(mnt), "--pid-file", str(pid_file), check=True)
+    pid = int(pid_file.read_text().split()[0])
+    os.kill(pid, signal.SIGSTOP)
     try:
-        res = run_cli("umount", str(target))
-        assert res.returncode != 0 and "not a FUSE mount" in res.stderr.decode()
-        assert is_mounted(target)
+        started = time.monotonic()
+        res = run_cli("umount", str(mnt / "d"), timeout=60)
+        assert time.monotonic() - started < 30 and res.returncode != 0, res.stderr
     finally:
-        subprocess.run(["umount", str(target)], check=False)
+        os.kill(pid, signal.SIGCONT)
+        force_unmount(mnt)
+        await_exit(pid)
+
+
+def test_umount_of_a_dead_mount_keeps_a_live_one_inside(tmp_path: Path, mnt: Path) -> None:
+    """The plain unmount of a dead mount fails (busy: a mount inside), and the lazy detach that
+    followed took the live inner mount, and its reader, along: only --lazy may do that."""
+    outer = python_zip(tmp_path / "outer.zip", {"sub/keep.txt": b"k"})
+    inner = python_zip(tmp_path / "inner.zip", {"x.txt": b"x"})
+    pid_file = tmp_path / "outer.pid"
+    run_cli("mount", str(outer), str(mnt), "--pid-file", str(pid_file), check=True)
+    outer_pid = int(pid_file.read_text().split()[0])
+    run_cli("mount", str(inner), str(mnt / "sub"), "-o", "nonempty", check=True)
+    try:
+        os.kill(outer_pid, signal.SIGKILL)
+        await_exit(outer_pid)
+        res = run_cli("umount", str(mnt))
+        err = res.stderr.decode()
+        assert res.returncode == 2 and "still serves" in err and "--lazy" in err, err
+        assert (mnt / "sub" / "x.txt").read_bytes() == b"x"  # untouched
+        run_cli("umount", str(mnt / "sub"), check=True)
+        run_cli("umount", str(mnt), check=True)  # then the dead one goes
+        assert not is_mounted(mnt)
+    finally:
+        force_unmount(mnt / "sub")
+        force_unmount(mnt)
 
 
 @pytest.mark.parametrize("dead", [False, True], ids=["live", "dead"])
