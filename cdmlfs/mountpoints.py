@@ -213,7 +213,8 @@ def unmount(path: str, timeout: float = 10.0, lazy: bool = True) -> None:
         return
     # A plain unmount needs nothing of the daemon; asking it whether it is dead does: only now,
     # and never waiting on one that is stuck (that one is busy, not dead: --lazy is the way).
-    if not lazy and _dead_within(target, DEAD_PROBE_SECONDS):
+    dead = not lazy and _dead_within(target, DEAD_PROBE_SECONDS)
+    if dead:
         # A dead mount is detached lazily, but not with a live mount inside it: that one (and its
         # readers) would go too, which only --lazy may do.
         live_inside = [
@@ -227,7 +228,7 @@ def unmount(path: str, timeout: float = 10.0, lazy: bool = True) -> None:
                 f"{path}: dead, but {live_inside[0]} is mounted inside it and still serves; unmount that "
                 f"first, or 'cdmlfs umount --lazy {path}' detaches both now"
             )
-    if (lazy or _dead_within(target, DEAD_PROBE_SECONDS)) and done(detach):
+    if (lazy or dead) and done(detach):
         return
     detail = next((e for e in errors if e), "unknown error")
     if not lazy and "busy" in detail.lower():

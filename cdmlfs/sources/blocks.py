@@ -216,13 +216,10 @@ class BlockLayer:
     # -- reading ------------------------------------------------------------------
     def _submit(self, own: list[_Span]) -> None:
         for span in own:
-            if not self._start(span, self._run_foreground, prefetch=False):
-                with self._lock:
-                    self._remove_if_indexed(span)
-                _settle(span, exc=SourceError(f"{self.name}: source closed during the read"))
+            self._start(span, self._run_foreground, prefetch=False)
 
-    def _start(self, span: _Span, run: Callable[[_Span], None], prefetch: bool) -> bool:
-        """Hand ``span`` to a pool thread; False when the source is closed.
+    def _start(self, span: _Span, run: Callable[[_Span], None], prefetch: bool) -> None:
+        """Hand ``span`` to a pool thread, or fail it as close() does when the source is closed.
 
         A pool can be shut down between taking it and submitting to it (a fork's hook, close):
         the span then went to no thread and its readers waited for ever. A fresh pool takes it.
@@ -231,17 +228,20 @@ class BlockLayer:
             try:
                 pool = self._pool(prefetch)
             except RuntimeError:  # closed
-                return False
+                break
             try:
                 pool.submit(run, span)
-                return True
+                return
             except RuntimeError:  # "cannot schedule new futures after shutdown"
                 with self._pool_lock:
                     if self._fg_pool is pool:
                         self._fg_pool = None
                     if self._pf_pool is pool:
                         self._pf_pool = None
-        return False
+        with self._lock:
+            span.cancelled = True
+            self._remove_if_indexed(span)
+        _settle(span, exc=SourceError(f"{self.name}: source closed during the read"))
 
     @staticmethod
     def _collect(pieces: list, waiters: list[_Waiter]) -> list[tuple[int, bytes]]:
@@ -370,11 +370,7 @@ class BlockLayer:
                     new.append(span)
                     stream.prefetched.append(span)
         for span in new:
-            if not self._start(span, self._run_prefetch, prefetch=True):
-                with self._lock:  # closed: as close() leaves a prefetch nobody waits for
-                    span.cancelled = True
-                    self._remove_if_indexed(span)
-                _settle(span, exc=SourceError(f"{self.name}: source closed during the read"))
+            self._start(span, self._run_prefetch, prefetch=True)
 
     def _run_prefetch(self, span: _Span) -> None:
         cache = self.cache
