@@ -25,7 +25,7 @@ import logging
 import os
 import stat
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from cdmlfs.errors import CorruptMemberError, SourceError
@@ -43,6 +43,7 @@ MAX_RATIO = 1032
 RATIO_SLACK = 1024
 
 _STEP = 1 << 24  # output bytes per zlib call when filling a caller's buffer
+PIECE = 1 << 20  # compressed bytes read at a time by read_deflated_in_pieces
 
 Buffer = Any  # any bytes-like object (bytes, bytearray, memoryview, mmap)
 
@@ -204,6 +205,65 @@ def _py_read_stored(fd: int, offset: int, size: int, crc: int | None = None) -> 
     if crc is not None:
         check_crc(zlib.crc32(out), crc)
     return out
+
+
+def plausible_comp_size(comp_size: int, size: int) -> bool:
+    """Whether a real deflate stream of ``size`` bytes can take ``comp_size`` bytes.
+
+    Stored blocks add 5 bytes per 64 KiB; the slack covers headers and a few empty
+    blocks. The C fast path uses the same rule (native/fastpath.c).
+    """
+    return comp_size <= size + size // 16 + 1024
+
+
+def read_deflated_in_pieces(
+    read_at: Callable[[int, int], Buffer], offset: int, comp_size: int, size: int, crc: int, step: int = PIECE
+) -> bytes:
+    """Inflate a member read ``step`` compressed bytes at a time, checked like :func:`inflate`.
+
+    For members whose compressed size is implausible for their size (a record
+    declaring 16 MiB for 100 bytes): reading them whole allocated the declared
+    compressed size in every reader at once, and the heap kept the holes (the
+    daemon grew a whole cache's worth over its bound). Here memory stays at
+    ``size`` plus one piece, and a stream that ends early fails after its first
+    piece instead of after reading everything.
+    """
+    _check_crc_arg(crc)
+    check_sizes(comp_size, size)
+    if step <= 0:
+        raise ValueError("step must be positive")
+    d = zlib.decompressobj(-15)
+    pieces: list[bytes] = []
+    filled = 0
+    pos = 0
+    feed: Buffer = b""
+    try:
+        while not d.eof:
+            if not feed:
+                if pos >= comp_size:
+                    break
+                feed = read_at(offset + pos, min(step, comp_size - pos))
+                if not feed:
+                    raise SourceError(f"unexpected end of data at offset {offset + pos}")
+                pos += len(feed)
+            out = d.decompress(feed, size + 1 - filled)  # one spare byte detects overflow
+            feed = d.unconsumed_tail
+            if out:
+                filled += len(out)
+                if filled > size:
+                    raise CorruptMemberError(SIZE_MISMATCH)
+                pieces.append(out)
+    except zlib.error:
+        raise CorruptMemberError(BAD_DATA) from None
+    if not d.eof:
+        raise CorruptMemberError(BAD_DATA)
+    if filled != size:
+        raise CorruptMemberError(SIZE_MISMATCH)
+    if d.unused_data or feed or pos < comp_size:
+        raise CorruptMemberError(TRAILING_DATA)
+    data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    check_crc(zlib.crc32(data), crc)
+    return data
 
 
 PYTHON = Backend(_py_crc32, _py_inflate, _py_read_deflated, _py_read_stored, _py_inflate_into)

@@ -7,7 +7,9 @@ How each kind of member is served:
   and checks its CRC (the kernel page cache then keeps it); larger stored
   members are CRC-checked when read sequentially to their end.
 * **deflate, small** (≤ ``whole_limit``) — one call: pread + inflate + CRC
-  (native libdeflate when built), the whole member cached as one extent.
+  (native libdeflate when built), the whole member cached as one extent. A
+  compressed size no real stream of that size can have (16 MiB for 100 bytes)
+  is read in 1 MiB pieces instead, so a hostile record never costs its size.
 * **deflate, huge** — a checkpoint index (zran technique) built on first access;
   a read at any offset inflates at most one interval; intervals and the
   checkpoint windows are cache entries, so they count against the bound.
@@ -387,6 +389,13 @@ class ExtentReader:
             ix = self.index
             start = self.fmt.data_offset(eid)
             comp = ix.comp_size[eid]
+            if not inflate.plausible_comp_size(comp, total):
+                # No real stream of this size is that long: read it in pieces, never whole.
+                with cache.reserve(min(2 * total + inflate.PIECE, cache.limit)) as room:
+                    read_at = self.source.read_at
+                    data = inflate.read_deflated_in_pieces(read_at, start, comp, total, ix.crc[eid])
+                    room.commit(eid, data)
+                return _view(data, offset, offset + size)
             # The compressed member is read whole before it is inflated: that memory counts too
             # (several threads inflating large, barely compressible members held ~a cache of it).
             with cache.reserve(total + comp) as room:

@@ -325,6 +325,53 @@ def test_random_corruptions_agree_between_backends():
         assert results[0] == results[1], (bytes(bad).hex(), results)
 
 
+def _in_pieces(comp: bytes, size: int, crc: int, step: int):
+    def read_at(offset: int, n: int) -> bytes:
+        assert offset >= 0 and n <= step and offset + n <= 3 + len(comp)  # never past the member
+        return (b"xyz" + comp)[offset : offset + n]
+
+    return inflate.read_deflated_in_pieces(read_at, 3, len(comp), size, crc, step)
+
+
+@pytest.mark.parametrize("step", [1, 7, 4096, 1 << 20])
+def test_reading_in_pieces_agrees_with_inflate(step):
+    """The piecewise path (members with implausible compressed sizes) gives the same bytes and reasons."""
+    for comp, size, crc, _ in BAD_CASES.values():
+        if step == 1 and len(comp) > 5000:
+            comp = comp[:4000]  # one byte a time: keep it quick
+        want = _outcome(inflate.PYTHON.inflate, comp, size, crc)
+        assert _outcome(_in_pieces, comp, size, crc, step) == want
+    for level in (0, 1, 9):
+        data = english_like(70_000, level)
+        assert _in_pieces(deflate(data, level), len(data), zlib.crc32(data), max(step, 64)) == data
+    rnd = random.Random(step)
+    data = english_like(20_000, 7)
+    comp, crc = deflate(data), zlib.crc32(data)
+    for _ in range(100):
+        bad = bytearray(comp)
+        bad[rnd.randrange(len(bad))] ^= 1 << rnd.randrange(8)
+        bad = bytes(bad)
+        want = _outcome(inflate.PYTHON.inflate, bad, len(data), crc) if bad != comp else None
+        assert _outcome(_in_pieces, bad, len(data), crc, max(step, 64)) == want
+
+
+def test_reading_in_pieces_stops_at_the_end_of_the_stream():
+    """100 bytes declared as 16 MiB compressed: one piece is read, then the trailing bytes are reported."""
+    text = b"x" * 100
+    comp = deflate(text) + bytes(16 << 20)
+    asked: list[int] = []
+
+    def read_at(offset: int, n: int) -> bytes:
+        asked.append(n)
+        return comp[offset : offset + n]
+
+    with pytest.raises(CorruptMemberError, match=inflate.TRAILING_DATA):
+        inflate.read_deflated_in_pieces(read_at, 0, len(comp), len(text), zlib.crc32(text))
+    assert asked == [inflate.PIECE]
+    assert not inflate.plausible_comp_size(len(comp), len(text))
+    assert inflate.plausible_comp_size(len(deflate(TEXT, 0)), len(TEXT))
+
+
 def test_argument_errors(api):
     with pytest.raises(ValueError, match="non-negative"):
         api.inflate(b"\x03\x00", -1, 0)
