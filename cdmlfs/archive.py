@@ -16,6 +16,7 @@ import posixpath
 import threading
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 
 from cdmlfs.cache import ExtentCache
@@ -102,12 +103,6 @@ def _close_parts(reader: ExtentReader, cache: ExtentCache, source: Source) -> No
 def _close_unclosed(reader: ExtentReader, cache: ExtentCache, source: Source, location: str) -> None:
     warnings.warn(f"unclosed archive {location}", ResourceWarning, stacklevel=2)
     _close_parts(reader, cache, source)
-
-
-def _ends_with_slash(path) -> bool:
-    if isinstance(path, (bytes, bytearray)):
-        return path.endswith(b"/")
-    return isinstance(path, str) and path.endswith("/")  # a PurePath never keeps one
 
 
 def _member_path(path) -> str:
@@ -243,69 +238,66 @@ class Archive:
         return f"Archive({self.location!r}, format={self.format.name}, entries={len(self.index) - 1})"
 
     # -- paths ---------------------------------------------------------------
-    def _resolve(self, path: str, follow: bool = True, hops: int = 0) -> int:
+    def _resolve(self, path: str, follow: bool = True) -> int:
         """Entry id for ``path``, following symlinks inside the archive (never outside it).
 
-        ``hops`` counts the links followed so far, through parent components too,
-        so a loop ends with "too many levels" instead of a RecursionError.
+        A plain path the index holds is one dict lookup. Anything else (``.``,
+        ``..``, ``//``, a trailing ``/``, links on the way) is walked component by
+        component as the kernel walks it through a mount: ``lnk/..`` is the
+        parent of where ``lnk`` points, ``file/.`` is not a directory. ``..``
+        at the archive's root stays there (the path rule of the whole package);
+        a link whose target climbs above the root points outside the archive.
         """
         if self.reader.closed:
             raise ValueError("I/O operation on a closed archive")
-        asked = path
-        path = _member_path(path)
+        text = path if isinstance(path, str) else os.fsdecode(path)
         index = self.index
-        want_dir = bool(path) and _ends_with_slash(asked)  # "name/": a directory or a link to one (os)
-        follow = follow or want_dir
-        while True:
-            eid = index.get(path)
-            if eid is None:
-                eid = self._resolve_through_links(path, hops, follow)
-            if not follow or index.kind[eid] != SYMLINK:
-                break
-            hops += 1
-            if hops > MAX_SYMLINK_HOPS:
-                raise LinkLoopError(f"{path}: too many levels of symbolic links")
-            target = self.reader.readlink(eid)
-            # Relative to the folder the link really is in: reached through another link, the path
-            # asked for names a different folder (and its target would be another file).
-            path = self._join_link(index.paths[eid], target)
-        if want_dir and index.kind[eid] != DIR:
-            raise NotADirectoryError_(f"{os.fsdecode(asked)}: not a directory")
-        return eid
+        eid = index.get(text.lstrip("/"))
+        if eid is not None and (not follow or index.kind[eid] != SYMLINK):
+            return eid  # the index holds normalised paths only: a hit needs no walk
+        return self._walk(text, follow)
 
-    def _resolve_through_links(self, path: str, hops: int, follow: bool) -> int:
-        """Slow path: a parent component may itself be a symlink (the last one is followed only
-        with ``follow``)."""
+    def _walk(self, text: str, follow: bool) -> int:
         index = self.index
-        parts = path.split("/") if path else []
-        cur = ""
-        for i, part in enumerate(parts):
-            nxt = f"{cur}/{part}" if cur else part
-            eid = index.get(nxt)
+        root = index.get("")
+        assert root is not None
+        # Components still to resolve, each marked whether it came from a link's target.
+        todo: deque[tuple[str, bool]] = deque((c, False) for c in text.split("/"))
+        dirs = [root]  # the directories resolved so far, from the root: ".." pops one
+        cur = root
+        hops = 0
+        while todo:
+            name, from_link = todo.popleft()
+            if index.kind[cur] != DIR:
+                raise NotADirectoryError_(f"{text}: not a directory")
+            if name in ("", "."):
+                continue
+            if name == "..":
+                if len(dirs) > 1:
+                    dirs.pop()
+                elif from_link:
+                    raise NotFoundError(f"{text}: a symlink on the way points outside the archive")
+                cur = dirs[-1]
+                continue
+            parent = index.paths[cur]
+            eid = index.get(f"{parent}/{name}" if parent else name)
             if eid is None:
-                raise NotFoundError(f"{path}: no such file or directory in the archive")
-            if index.kind[eid] == SYMLINK and i < len(parts) - 1:
+                raise NotFoundError(f"{text}: no such file or directory in the archive")
+            if index.kind[eid] == SYMLINK and (todo or follow):
                 hops += 1
                 if hops > MAX_SYMLINK_HOPS:
-                    raise LinkLoopError(f"{path}: too many levels of symbolic links")
-                nxt = self._join_link(nxt, self.reader.readlink(eid))
-                eid = index.get(nxt)
-                if eid is None or index.kind[eid] == SYMLINK:
-                    return self._resolve(nxt + "/" + "/".join(parts[i + 1 :]), follow, hops)
-            cur = nxt
-        eid = index.get(cur)
-        if eid is None:
-            raise NotFoundError(f"{path}: no such file or directory in the archive")
-        return eid
-
-    @staticmethod
-    def _join_link(link_path: str, target: str) -> str:
-        if target.startswith("/"):
-            raise NotFoundError(f"{link_path}: symlink points outside the archive ({target})")
-        joined = posixpath.normpath(posixpath.join(posixpath.dirname(link_path), target))
-        if joined.startswith("..") or joined.startswith("/"):
-            raise NotFoundError(f"{link_path}: symlink points outside the archive ({target})")
-        return "" if joined == "." else joined
+                    raise LinkLoopError(f"{text}: too many levels of symbolic links")
+                target = self.reader.readlink(eid)
+                if not target:
+                    raise NotFoundError(f"{index.paths[eid]}: symlink with an empty target")
+                if target.startswith("/"):
+                    raise NotFoundError(f"{index.paths[eid]}: symlink points outside the archive ({target})")
+                todo.extendleft((c, True) for c in reversed(target.split("/")))
+                continue  # the target is resolved from the folder the link is in: cur
+            cur = eid
+            if index.kind[eid] == DIR:
+                dirs.append(eid)
+        return cur
 
     # -- queries -------------------------------------------------------------
     def stat(self, path: str, follow_symlinks: bool = True) -> EntryStat:

@@ -272,6 +272,93 @@ def test_links_resolve_where_they_are_and_a_slash_asks_for_a_directory(tmp_path:
             ar.read("b.txt/")
 
 
+def test_odd_paths_resolve_as_the_kernel_resolves_them(tmp_path: Path) -> None:
+    """``.``, ``..``, ``//`` and trailing slashes around links, compared with the same tree on disk.
+
+    The API normalised paths as text before following links: ``deep/../b.txt`` (deep -> sub/deeper)
+    read the root's b.txt where the kernel reads sub/b.txt, and ``b.txt/.`` read a file."""
+    import stat
+    import tarfile
+
+    from cdmlfs.errors import CdmlfsError, IsADirectoryError_
+
+    src = tmp_path / "d"
+    (src / "sub/deeper").mkdir(parents=True)
+    (src / "e").mkdir()
+    (src / "b.txt").write_bytes(b"root b")
+    (src / "sub/b.txt").write_bytes(b"sub b")
+    (src / "sub/deeper/f").write_bytes(b"deep f")
+    links = {
+        "deep": "sub/deeper",
+        "sub/deeper/x": "../b.txt",
+        "sub/deeper/back": "../../sub",
+        "d1": "deep",
+        "sub/l": "b.txt",
+        "up": "sub/deeper/..",
+        "dots": "./sub/./deeper/",
+        "slash": "b.txt/",
+        "loop1": "loop2",
+        "loop2": "loop1",
+        "deep2": "deep/../deeper",  # deep/.. is sub: sub/deeper
+    }
+    for name, target in links.items():
+        os.symlink(target, src / name)
+    with tarfile.open(tmp_path / "l.tar", "w") as tf:
+        tf.add(src, arcname=".")
+
+    def on_disk(path: str) -> tuple:
+        full = os.path.join(src, path)
+        try:
+            with open(full, "rb") as f:
+                return ("file", f.read())
+        except IsADirectoryError:
+            return ("dir", sorted(os.listdir(full)))
+        except OSError as exc:
+            return ("error", exc.errno)
+
+    def lstat_on_disk(path: str) -> tuple:
+        try:
+            return ("link" if stat.S_ISLNK(os.lstat(os.path.join(src, path)).st_mode) else "other",)
+        except OSError as exc:
+            return ("error", exc.errno)
+
+    paths = [
+        "deep/../b.txt", "d1/../b.txt", "deep/back/../b.txt", "deep/back/deeper/../b.txt", "deep/x",
+        "up/b.txt", "up/deeper/f", "dots/f", "dots", "deep2/f", "deep/./f", "deep/.", "deep/", "deep//f",
+        "sub/./b.txt", "sub//b.txt", "./b.txt", "b.txt", "b.txt/", "b.txt/.", "b.txt/..", "sub/l/",
+        "sub/l/..", "slash", "loop1", "loop1/x", "e/.", "e/..", "e/../b.txt", "nothing/..",
+        "deep/nothing/..", "sub/deeper/back/deeper/x", "d1/back/l", "d1/back/l/",
+    ]  # fmt: skip
+    with cdmlfs.open(tmp_path / "l.tar", index_dir=str(tmp_path / "idx")) as ar:
+
+        def through_api(path: str) -> tuple:
+            try:
+                return ("file", ar.read(path))
+            except IsADirectoryError_:
+                return ("dir", sorted(ar.listdir(path)))
+            except CdmlfsError as exc:
+                return ("error", exc.errno)
+
+        def lstat_through_api(path: str) -> tuple:
+            try:
+                return ("link" if ar.stat(path, follow_symlinks=False).is_symlink else "other",)
+            except CdmlfsError as exc:
+                return ("error", exc.errno)
+
+        for path in paths:
+            assert through_api(path) == on_disk(path), path
+            assert lstat_through_api(path) == lstat_on_disk(path), path
+        assert through_api("deep/../b.txt") == ("file", b"sub b")  # not the root's b.txt
+        # ".." at the root stays there (the package's path rule); a link may not climb out of it.
+        assert ar.read("../b.txt") == ar.read("/../sub/../b.txt") == b"root b"
+    z = _links_zip(tmp_path / "z.zip", {"out": "sub/../../x", "empty": "", "sub/keep": ".."}, {"x": b"x"})
+    with cdmlfs.open(z) as ar:
+        assert [ar.exists(p) for p in ("out", "empty", "sub/keep/x")] == [False, False, True]
+        with pytest.raises(NotFoundError, match="outside the archive"):
+            ar.read("out")
+        assert ar.stat("empty", follow_symlinks=False).is_symlink
+
+
 def test_an_archive_dropped_without_close_lets_go_of_its_descriptor_and_threads(tmp_path: Path) -> None:
     import gc
     import threading
