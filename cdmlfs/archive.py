@@ -578,6 +578,9 @@ class MemberFile(io.RawIOBase):
     def readinto(self, buf) -> int:  # type: ignore[override]
         self._check_open()
         view = memoryview(buf)
+        if view.readonly:  # as io's files say it, before anything is read or the position moves
+            kind = type(buf).__name__
+            raise TypeError(f"readinto() argument must be read-write bytes-like object, not {kind}")
         if not view.contiguous:
             raise BufferError("readinto needs a contiguous buffer")
         view = view.cast("B")  # bytes, whatever the buffer's item type or shape (array('i'), numpy)

@@ -24,6 +24,7 @@ from cdmlfs.errors import (
     NotADirectoryError_,
     NotFoundError,
     UnsupportedMethodError,
+    UsageError,
 )
 
 
@@ -612,6 +613,9 @@ def test_raw_member_file_behaves_like_fileio(tmp_path: Path) -> None:
         raw = ar.open("blob.bin", buffering=0)
         ints = array("i", [0, 0])
         assert raw.readinto(ints) == 8 and ints.tobytes() == data[:8]
+        with pytest.raises(TypeError, match="read-write"):  # as FileIO says it (BufferError before)
+            raw.readinto(b"12345678")
+        assert raw.tell() == 8
         assert raw.mode == "rb" and raw.seek(0) == 0
         with pytest.raises(io.UnsupportedOperation):
             raw.write(b"x")
@@ -645,6 +649,9 @@ def test_location_through_a_symlink_and_dotdot_is_the_file_open_would_read(tmp_p
     (tmp_path / "link").symlink_to(real)
     with cdmlfs.open(str(tmp_path / "link" / ".." / "a.zip")) as ar:  # the kernel: real/a.zip
         assert ar.read("which") == b"real/a.zip"
+    with pytest.raises(UsageError, match="Not a directory"):  # open("a.zip/") fails; it read a.zip
+        cdmlfs.open(f"{tmp_path / 'a.zip'}/")
+    assert run_cli("ls", f"{tmp_path / 'a.zip'}/").returncode != 0
 
 
 def test_extracted_directories_keep_their_mode_and_mtime(tmp_path: Path) -> None:

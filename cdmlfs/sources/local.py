@@ -18,7 +18,8 @@ class LocalFile:
         self.path = os.path.abspath(path)
         try:
             # O_NONBLOCK: opening a FIFO would otherwise wait for a writer forever (refused below).
-            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            # The path as given, as open() takes it: abspath drops the "/" of "a.zip/" (ENOTDIR).
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             raise ArchiveNotFoundError(f"{path}: no such file") from None
         except IsADirectoryError:
