@@ -105,11 +105,15 @@ def _close_unclosed(reader: ExtentReader, cache: ExtentCache, source: Source, lo
     _close_parts(reader, cache, source)
 
 
-def _member_path(path) -> str:
-    """A member path as the index keys it: ``/`` separators, no ``.``/``..``, ``""`` for the root.
+def _name_for(path, index: Index, eid: int) -> str:
+    """The name to give what ``path`` resolved to (``eid``): the path as asked, normalised
+    (``"./a/"`` is ``"a"``, a link keeps its own name), unless it holds ``..``: folded as text,
+    ``lnk/..`` would name the link's folder, not where the kernel (and ``_resolve``) took it.
     PurePosixPath and bytes are taken as os functions take them."""
     if not isinstance(path, str):
         path = os.fsdecode(path)
+    if ".." in path.split("/"):
+        return index.paths[eid]
     path = posixpath.normpath("/" + path).lstrip("/")
     return "" if path == "." else path
 
@@ -340,11 +344,13 @@ class Archive:
         """Like ``os.walk``: top-down, each directory's entries in name order (ZIP) or archive
         order (tar); a symlink to a directory is listed with the directories but not followed.
 
-        Unlike ``os.walk``: paths are member paths (``top`` normalised: ``"./a/"`` gives ``"a"``),
+        Unlike ``os.walk``: paths are member paths (``top`` normalised: ``"./a/"`` gives ``"a"``,
+        ``"lnk/.."`` the folder it resolves to),
         and a ``top`` that is missing or not a directory raises instead of yielding nothing.
         """
         index = self.index
-        stack = [(_member_path(top), self._resolve(top))]
+        eid = self._resolve(top)
+        stack = [(_name_for(top, index, eid), eid)]
         while stack:
             path, eid = stack.pop()
             dirs, files, real = [], [], {}
@@ -420,7 +426,7 @@ class Archive:
         eid = self._resolve(path)
         if self.index.kind[eid] == DIR:
             raise IsADirectoryError_(f"{path}: is a directory")
-        raw = MemberFile(self.reader, eid, _member_path(path))  # named as asked, a link's own name too
+        raw = MemberFile(self.reader, eid, _name_for(path, self.index, eid))  # as asked: a link's own name
         raw._archive = self  # the archive lives as long as a file of it is open: cdmlfs.open(p).open(n)
         if buffering == 0:
             return raw

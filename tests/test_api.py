@@ -350,6 +350,11 @@ def test_odd_paths_resolve_as_the_kernel_resolves_them(tmp_path: Path) -> None:
             assert through_api(path) == on_disk(path), path
             assert lstat_through_api(path) == lstat_on_disk(path), path
         assert through_api("deep/../b.txt") == ("file", b"sub b")  # not the root's b.txt
+        # Names given back for such paths are where they resolved to, not the text folded.
+        top, _, files = next(ar.walk("deep/.."))
+        assert top == "sub" and "b.txt" in files and ar.read(f"{top}/b.txt") == b"sub b"
+        with ar.open("deep/../b.txt") as f:
+            assert f.name == "sub/b.txt"
         # ".." at the root stays there (the package's path rule); a link may not climb out of it.
         assert ar.read("../b.txt") == ar.read("/../sub/../b.txt") == b"root b"
     z = _links_zip(tmp_path / "z.zip", {"out": "sub/../../x", "empty": "", "sub/keep": ".."}, {"x": b"x"})
