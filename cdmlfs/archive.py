@@ -203,6 +203,11 @@ class Archive:
         self._finalizer.detach()
         _close_parts(self.reader, self.cache, self.source)
 
+    @property
+    def closed(self) -> bool:
+        """True once closed (as a file's ``closed``)."""
+        return self.reader.closed
+
     def close_when_unused(self) -> None:
         """Close once the last reference goes (a file still open on it, say), without the
         unclosed-archive warning: for an owner that lets go of a handle others may still read."""

@@ -221,9 +221,10 @@ class ArchiveDatasetFolder(Dataset):
         path, target = self.samples[index]
         if isinstance(self.tree, ArchiveTree):
             with sample_errors(path):  # an archive gone by then: an OSError like any sample's
-                self.tree.archive  # noqa: B018 - open this process's handle with this dataset's options
+                archive = self.tree.archive  # this process's handle, opened with this dataset's options
             try:
-                sample = self.loader(path)
+                with handles.reading_from(self.tree.location, archive):  # the version we listed
+                    sample = self.loader(path)
             except FileNotFoundError as exc:
                 if exc.filename != path or isinstance(exc, SampleNotFoundError):
                     raise

@@ -17,9 +17,12 @@ Why a registry instead of a handle stored on each dataset:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -34,6 +37,10 @@ worker, and samples of a shuffled epoch are read once, so a big cache buys nothi
 _lock = threading.Lock()
 _open: dict[str, Archive] = {}
 _options: dict[str, dict[str, Any]] = {}  # open options datasets gave for a location (see remember_options)
+# The handle a dataset's ``__getitem__`` reads through (see reading_from): loaders get a path only.
+_reading: contextvars.ContextVar[tuple[str, Archive] | None] = contextvars.ContextVar(
+    "cdmlfs_torch_reading", default=None
+)
 
 
 def remember_options(location: str, open_kwargs: dict[str, Any]) -> None:
@@ -84,6 +91,30 @@ def get_archive(location: str, *, revalidate: bool = False, **open_kwargs: Any) 
                 current.close_when_unused()  # kept until close_all, each held its fd and cache
             _open[location] = current = fresh
         return current
+
+
+@contextlib.contextmanager
+def reading_from(location: str, archive: Archive) -> Iterator[None]:
+    """Within this block, loaders naming ``location`` read through ``archive``.
+
+    A dataset keeps the handle of the version it listed; a newer dataset over the same location,
+    made after the file was touched or replaced, moves the process's handle on. The first
+    dataset's loader, given only a sample path, then read the newer version (or, by the
+    identity check, refused every sample): it reads its own version through this instead.
+    """
+    token = _reading.set((location, archive))
+    try:
+        yield
+    finally:
+        _reading.reset(token)
+
+
+def handle_for(location: str) -> Archive:
+    """The handle a loader should read ``location`` through: the reading dataset's, else the process's."""
+    reading = _reading.get()
+    if reading is not None and reading[0] == location and not reading[1].closed:
+        return reading[1]
+    return get_archive(location)
 
 
 def _changed(archive: Archive) -> bool:

@@ -22,7 +22,7 @@ def read_sample(path: str | os.PathLike) -> bytes:
         return read_local_file(text)
     location, inner = split
     with sample_errors(text):
-        return handles.get_archive(location).read(inner)
+        return handles.handle_for(location).read(inner)
 
 
 def open_sample(path: str | os.PathLike) -> BinaryIO:
@@ -33,7 +33,7 @@ def open_sample(path: str | os.PathLike) -> BinaryIO:
         return open_local_file(text)
     location, inner = split
     with sample_errors(text):
-        return handles.get_archive(location).open(inner)
+        return handles.handle_for(location).open(inner)
 
 
 def pil_loader(path: str | os.PathLike) -> Any:

@@ -83,8 +83,11 @@ def split_sample_path(path: str) -> tuple[str, str] | None:
     """
     if SEP not in path:
         return None
+    # Checked first: with "x.zip" open here, a folder "x.zip::copy" beside it was read from x.zip.
+    if os.path.exists(path):
+        return None
     split = _split_at_first(path, handles.open_locations().__contains__)
-    if split is not None or os.path.exists(path):
+    if split is not None:
         return split
     return _split_at_first(path, lambda location: is_uri(location) or os.path.isfile(location))
 
@@ -209,6 +212,11 @@ class ArchiveTree(Tree):
         self.root_path = f"{location}{SEP}{inner}"
         self._prefix = f"{location}{SEP}"
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_handle", None)  # a spawned worker opens its own (a forked one keeps this object)
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         handles.remember_options(self.location, self.open_kwargs)  # a worker's loaders need them too
@@ -225,6 +233,11 @@ class ArchiveTree(Tree):
         whatever is there now (it silently read a replaced object's bytes under the old
         list); it gets ESTALE instead.
         """
+        kept = self.__dict__.get("_handle")
+        if kept is not None and not kept.closed:
+            # The version this tree listed, even once a newer dataset moved the process's handle
+            # on (a touched or replaced file): that made every sample of this one fail ESTALE.
+            return kept
         archive = handles.get_archive(self.location, **self.open_kwargs)
         seen = self.__dict__.get("identity")
         if seen is not None and not archive.source.identity.same_bytes(seen):
@@ -257,6 +270,7 @@ class ArchiveTree(Tree):
                 raise FileNotFoundError(errno.ENOENT, str(exc), self.location) from exc
             raise
         self.identity = tuple(archive.source.identity)  # pickled with the tree: workers compare
+        self._handle = archive  # in this process (and forked workers): this version, for as long as we live
         handles.remember_options(self.location, self.open_kwargs)  # for loaders naming only the location
         if self.inner and not archive.isdir(self.inner):
             if archive.exists(self.inner):

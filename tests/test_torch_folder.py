@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import shutil
@@ -94,6 +95,23 @@ def assert_same_dataset(ours, theirs, theirs_root: str) -> None:
     assert ours.targets == theirs.targets
     assert ours.imgs is ours.samples
     assert len(ours) == len(theirs)
+
+
+def test_a_local_folder_named_after_an_open_archive_is_read_from_disk(tmp_path: Path) -> None:
+    """With x.zip open in the process, a real folder "x.zip::copy" beside it was read from x.zip."""
+    for cls in ("a", "b"):
+        (tmp_path / "src" / cls).mkdir(parents=True)
+        _image(tmp_path / "src" / cls / "x.png", 5)
+    archive = shutil.make_archive(str(tmp_path / "x"), "zip", tmp_path / "src")
+    ArchiveImageFolder(archive)  # opens x.zip here
+    local = Path(f"{archive}::copy")
+    shutil.copytree(tmp_path / "src", local)
+    (local / "a" / "only-here.png").write_bytes((local / "a" / "x.png").read_bytes())
+    ds = ArchiveImageFolder(str(local))
+    assert [Path(p).name for p, _ in ds.samples] == ["only-here.png", "x.png", "x.png"]
+    assert all(split_sample_path(p) is None for p, _ in ds.samples)
+    assert ds[0][1] == 0 and read_sample(ds.samples[0][0]) == (local / "a" / "only-here.png").read_bytes()
+    handles.close_all()
 
 
 @pytest.mark.parametrize("form", ["sep", "shorthand"])
@@ -370,12 +388,48 @@ def test_a_dataset_made_again_sees_the_archive_as_it_is_now(tmp_path: Path) -> N
     new = ArchiveImageFolder(str(path))
     assert new.classes == ["a", "b", "c"] and len(new) == 3
     assert new[2][1] == 2
-    with pytest.raises(OSError) as exc:  # the old dataset's list is of the old version
-        old[0]
+    # The old dataset reads the version it listed, through its own handle (the old file's
+    # descriptor); a worker that must open the location again finds another version: ESTALE.
+    to_tensor = transforms.functional.pil_to_tensor
+    assert torch.equal(to_tensor(old[0][0]), to_tensor(Image.open(tmp_path / "v1/a/x.png").convert("RGB")))
+    blob = pickle.dumps(old)
+    handles.close_all()  # a fresh (spawned) process
+    with pytest.raises(OSError) as exc:
+        pickle.loads(blob)[0]
     assert exc.value.errno == errno.ESTALE
+    new = ArchiveImageFolder(str(path))
     again = ArchiveImageFolder(str(path))  # nothing changed: the same handle
     assert handles.get_archive(str(path)) is handles.get_archive(str(path), revalidate=True)
     assert again.classes == new.classes
+
+
+def test_a_newer_dataset_over_a_touched_archive_leaves_the_first_one_working(tmp_path: Path) -> None:
+    """Made after a touch (a re-download, cp -p, rsync), a second dataset moved the process's
+    handle on, and every sample of the first then failed ESTALE, its loaders too."""
+    import time
+
+    from cdmlfs_torch import open_sample
+
+    for cls in ("a", "b"):
+        (tmp_path / "src" / cls).mkdir(parents=True)
+        _image(tmp_path / "src" / cls / "x.png", 3)
+    path = Path(shutil.make_archive(str(tmp_path / "data"), "zip", tmp_path / "src"))
+
+    def by_file_object(sample: str):
+        with open_sample(sample) as f:
+            return Image.open(f).convert("RGB")
+
+    first = ArchiveImageFolder(str(path))
+    custom = ArchiveImageFolder(str(path), loader=by_file_object)
+    want = first[1][0]
+    os.utime(path, (time.time() + 5,) * 2)  # same bytes, another mtime: another version
+    second = ArchiveImageFolder(str(path))
+    assert handles.get_archive(str(path)) is second.tree.archive is not first.tree.archive
+    for ds in (first, custom, second):
+        assert torch.equal(
+            transforms.functional.pil_to_tensor(ds[1][0]), transforms.functional.pil_to_tensor(want)
+        )
+    handles.close_all()
 
 
 def test_handles_of_replaced_versions_are_let_go(tmp_path: Path) -> None:
@@ -429,12 +483,22 @@ def test_a_dataset_made_again_sees_an_s3_object_replaced(tmp_path: Path) -> None
             endpoint.put(
                 "data", "d.zip", Path(shutil.make_archive(str(tmp_path / "one"), "zip", tmp_path / "v1"))
             )
-            assert ArchiveImageFolder("s3://data/d.zip", open_options=opts).classes == ["a", "b"]
+            old = ArchiveImageFolder("s3://data/d.zip", open_options=opts)
+            assert old.classes == ["a", "b"]
             endpoint.put(
                 "data", "d.zip", Path(shutil.make_archive(str(tmp_path / "two"), "zip", tmp_path / "v2"))
             )
             new = ArchiveImageFolder("s3://data/d.zip", open_options=opts)
             assert new.classes == ["a", "b", "c"] and new[2][1] == 2
+            # The old dataset reads its own version (held in its cache here: a tiny object) or, where
+            # a read must go to the endpoint, fails (GETs pinned to its ETag): never the new bytes.
+            try:
+                got = transforms.functional.pil_to_tensor(old[1][0])
+            except OSError as exc:
+                assert exc.errno == errno.EIO and "changed" in str(exc), exc
+            else:
+                want = Image.open(tmp_path / "v1/b/x.png").convert("RGB")
+                assert torch.equal(got, transforms.functional.pil_to_tensor(want))
         finally:
             handles.close_all()
             endpoint.stop()
