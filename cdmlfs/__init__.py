@@ -27,6 +27,7 @@ from cdmlfs.errors import (
     NotFoundError,
     SourceChangedError,
     SourceError,
+    UnsafeDestinationError,
     UnsupportedMethodError,
     UsageError,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "NotFoundError",
     "SourceChangedError",
     "SourceError",
+    "UnsafeDestinationError",
     "UnsupportedMethodError",
     "UsageError",
     "__version__",

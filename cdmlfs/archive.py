@@ -29,6 +29,7 @@ from cdmlfs.errors import (
     NotASymlinkError,
     NotFoundError,
     SourceChangedError,
+    UnsafeDestinationError,
 )
 from cdmlfs.formats import open_format
 from cdmlfs.index import DIR, FILE, SPARSE, SYMLINK, EntryStat, Index
@@ -463,7 +464,7 @@ class Archive:
             for c in index.walk(eid):
                 try:
                     self._extract_one(c, os.path.join(dest_dir, index.paths[c]), chunk, root, written)
-                except (MemberError, OSError) as exc:
+                except (MemberError, UnsafeDestinationError, OSError) as exc:
                     if on_error is None or stops_extraction(exc):
                         raise
                     on_error(index.paths[c], exc)

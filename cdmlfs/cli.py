@@ -19,9 +19,28 @@ import time
 from collections.abc import Callable
 
 from cdmlfs import __version__, fuseloop, sizes
-from cdmlfs.errors import CdmlfsError, LinkLoopError, MemberError, NotFoundError, UsageError
+from cdmlfs.errors import (
+    CdmlfsError,
+    IsADirectoryError_,
+    LinkLoopError,
+    MemberError,
+    NotADirectoryError_,
+    NotFoundError,
+    UnsafeDestinationError,
+    UsageError,
+)
 
 log = logging.getLogger("cdmlfs")
+
+# Errors of one path named on the command line: reported, and the others are still done.
+_ONE_PATH_ERRORS = (
+    MemberError,
+    NotFoundError,
+    LinkLoopError,
+    IsADirectoryError_,
+    NotADirectoryError_,
+    UnsafeDestinationError,
+)
 
 
 def parse_size(text: str) -> int:
@@ -305,16 +324,29 @@ def _quote_for_terminal(name: str) -> str:
     return "$'" + "".join(map(_escape_char, name)) + "'"
 
 
+def _about(path: str, exc: Exception) -> str:
+    """One line on what went wrong with ``path``, naming it once ("nope: nope: no such..." before)."""
+    why = _os_error_text(exc) if isinstance(exc, OSError) else getattr(exc, "reason", None) or str(exc)
+    return why if why.startswith(f"{path}: ") else f"{path}: {why}"
+
+
 def cmd_cat(args: argparse.Namespace) -> int:
+    """Like cat(1): a path that fails is reported on its own line and the others are still written."""
     archive = _open_archive(args, cache_size=64 << 20)
+    failed = 0
     with archive:
         out = sys.stdout.buffer
         for path in args.paths:
-            with archive.open(path) as f:
-                while chunk := f.read(1 << 20):
-                    out.write(chunk)
+            try:
+                with archive.open(path) as f:
+                    while chunk := f.read(1 << 20):
+                        out.write(chunk)
+            except _ONE_PATH_ERRORS as exc:
+                out.flush()  # what came before goes out before the complaint, as cat's order
+                print(f"cdmlfs: {_about(path, exc)}", file=sys.stderr)
+                failed += 1
         out.flush()
-    return 0
+    return 1 if failed else 0
 
 
 def _name_failed_write(exc: OSError, where: str) -> None:
@@ -333,8 +365,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
     def report(member: str, exc: Exception) -> None:  # then on to the next entry, as tar -x goes on
         failed.append(member)
-        why = _os_error_text(exc) if isinstance(exc, OSError) else getattr(exc, "reason", None) or str(exc)
-        print(f"cdmlfs: {member}: {why}", file=sys.stderr)
+        print(f"cdmlfs: {_about(member, exc)}", file=sys.stderr)
 
     listing = args.verbose
     _exit_on_termination()  # the partial file is removed on the way out
@@ -343,7 +374,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
         for path in args.paths:
             try:
                 out = archive.extract(path, args.directory, on_error=report)
-            except (MemberError, NotFoundError, LinkLoopError) as exc:  # this path only, as tar -x
+            except _ONE_PATH_ERRORS as exc:  # this path only, as tar -x
                 report(path, exc)
                 continue
             except OSError as exc:

@@ -88,6 +88,13 @@ class NotASymlinkError(CdmlfsError, OSError):
     errno = _errno.EINVAL
 
 
+class UnsafeDestinationError(CdmlfsError):
+    """An extracted entry would land outside the destination (through a symlink already there):
+    that entry is refused, the others are extracted."""
+
+    errno = _errno.EPERM
+
+
 class UsageError(CdmlfsError):
     """A bad command-line option or mount point; the CLI prints it and exits 2."""
 

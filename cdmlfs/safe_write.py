@@ -19,7 +19,7 @@ import stat
 import tempfile
 from typing import BinaryIO
 
-from cdmlfs.errors import UsageError
+from cdmlfs.errors import UnsafeDestinationError
 
 
 def private_temp_dir() -> str | None:
@@ -49,7 +49,9 @@ def check_inside(root: str, out: str) -> None:
     """Refuse ``out`` when its directory resolves outside ``root`` (a realpath), e.g. through a symlink."""
     where = os.path.realpath(os.path.dirname(out) or ".")
     if not is_under(root, where):
-        raise UsageError(f"refusing to write {out}: its directory resolves to {where}, outside {root}")
+        raise UnsafeDestinationError(
+            f"refusing to write {out}: its directory resolves to {where}, outside {root}"
+        )
 
 
 HOLE_GRAIN = 4 << 10  # zero blocks of this size (a file system block) become holes in a sparse copy

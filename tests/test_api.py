@@ -718,9 +718,37 @@ def test_cli_extract_of_named_paths_goes_on_past_a_bad_one(tmp_path: Path) -> No
     err = res.stderr.decode()
     assert res.returncode == 1 and "Traceback" not in err, err
     lines = err.strip().splitlines()
-    assert lines[0].startswith("cdmlfs: nope: ") and lines[1].startswith("cdmlfs: bad.txt: "), err
+    assert lines[0] == "cdmlfs: nope: no such file or directory in the archive", err  # named once
+    assert lines[1].startswith("cdmlfs: bad.txt: "), err
     assert lines[2] == "cdmlfs: 2 entries not extracted", err
     assert (out / "ok.txt").read_bytes() == files["ok.txt"] and not (out / "bad.txt").exists()
+    # A destination folder that is a link to elsewhere refuses its entries only (it stopped the run,
+    # exit 2); so does a path through a file.
+    z2 = python_zip(tmp_path / "d.zip", {"sub/a.txt": b"a", "top.txt": b"t"})
+    out2 = tmp_path / "out2"
+    (out2).mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (out2 / "sub").symlink_to(tmp_path / "elsewhere")
+    res = run_cli("extract", str(z2), "sub/a.txt", "top.txt/x", "top.txt", "-C", str(out2))
+    err = res.stderr.decode()
+    assert res.returncode == 1 and "Traceback" not in err, err
+    assert "sub/a.txt" in err and "outside" in err and "top.txt/x: not a directory" in err, err
+    assert err.strip().splitlines()[-1] == "cdmlfs: 2 entries not extracted", err
+    assert (out2 / "top.txt").read_bytes() == b"t" and list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_cli_cat_goes_on_past_a_bad_path_as_cat_does(tmp_path: Path) -> None:
+    """`cdmlfs cat A MISSING B` stopped at the missing path: B was never written."""
+    files = {"a.txt": b"A" * 3000, "bad.txt": text_bytes(5000, 1), "b.txt": b"B" * 2000, "d/x": b"x"}
+    z = python_zip(tmp_path / "c.zip", files, zipfile.ZIP_DEFLATED)
+    flip_byte_in_member(z, "bad.txt")
+    res = run_cli("cat", str(z), "a.txt", "nope", "d", "bad.txt", "b.txt")
+    err = res.stderr.decode()
+    assert res.returncode == 1 and "Traceback" not in err, err
+    assert res.stdout == files["a.txt"] + files["b.txt"]
+    assert err.splitlines()[0] == "cdmlfs: nope: no such file or directory in the archive", err
+    assert "cdmlfs: d: is a directory" in err and "bad.txt" in err and len(err.splitlines()) == 3, err
+    assert run_cli("cat", str(z), "a.txt", "b.txt").returncode == 0
 
 
 def test_cli_extract_listing_into_a_closed_pipe_still_extracts_everything(tmp_path: Path) -> None:
