@@ -38,8 +38,13 @@ log = logging.getLogger(__name__)
 
 STREAM_CHUNK = 1 << 20  # compressed bytes per read, and decompressed bytes per decompress call
 # An xz header may declare a dictionary of up to 4 GiB, which the decoder then fills: xz -9 needs
-# 64 MiB. (zstd's decoder refuses windows over 128 MiB by default.)
+# 64 MiB.
 XZ_MEMLIMIT = 256 << 20
+# zstd's decoder refuses windows over 128 MiB by default: a tar.zst written with `zstd --long`
+# (even a 7 MB one, through a pipe) failed to pack with libzstd's "Frame requires too much
+# memory". Converting such archives is what pack is for (the mount refuses them and says to
+# pack), so one pass may use the window the stream declares, as `zstd -d --long=31` would.
+ZSTD_WINDOW_MAX = 1 << 31
 # What a damaged or truncated stream raises (gzip's and bz2's errors are OSErrors or EOFErrors).
 STREAM_ERRORS = (EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError, OSError)
 
@@ -381,7 +386,8 @@ def members(raw, where: str, kind: str) -> Iterator[Member]:
     checked = None
     if kind == "zstd":
         checked = _CheckedZstd(raw)
-        stream = zstandard.ZstdDecompressor().stream_reader(checked, read_across_frames=True, closefd=False)
+        dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_WINDOW_MAX)
+        stream = dctx.stream_reader(checked, read_across_frames=True, closefd=False)
     elif kind == "tar":
         stream = raw
     else:

@@ -77,7 +77,7 @@ MAX_WINDOW = 1 << zstdframes.MAX_WINDOW_LOG  # larger windows need --long archiv
 
 
 # What to do with an archive written with zstd --long (check_window, _zstd_error).
-_LONG_WINDOW_HINT = "decompress the archive (zstd -d --long=31) and 'cdmlfs pack' the tar"
+_LONG_WINDOW_HINT = "convert it once with 'cdmlfs pack ARCHIVE OUT.tar.zst' (it reads such windows)"
 
 
 _DICTIONARY = "was compressed with a dictionary (zstd -D), which cdmlfs does not take"
