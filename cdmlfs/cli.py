@@ -755,9 +755,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--frame-size",
         type=parse_size,
-        default=4 << 20,
         metavar="SIZE",
-        help="decoded bytes per zstd frame: a random read decodes at most one (default 4M)",
+        help="decoded bytes per zstd frame of a .tar.zst: a random read decodes at most one (default 4M)",
     )
     p.add_argument("--threads", type=_threads, help="compression threads, 1 to 1024 (default: all cores)")
     p.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")

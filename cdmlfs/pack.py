@@ -696,7 +696,7 @@ def pack(
     src: str,
     out: str,
     level: int | None = None,
-    frame_size: int = DEFAULT_FRAME_SIZE,
+    frame_size: int | None = None,
     threads: int | None = None,
     force: bool = False,
     progress: Progress | None = None,
@@ -705,6 +705,10 @@ def pack(
     """Write ``src`` (a directory, an archive, a compressed tar, or ``-``: a tar stream on standard
     input) to ``out``; returns a small summary for the CLI."""
     kind = output_kind(out)
+    if frame_size is None:
+        frame_size = DEFAULT_FRAME_SIZE
+    elif kind != "tar.zst":  # accepted and ignored before: a user tuning random access got nothing
+        raise UsageError(f"--frame-size applies to .tar.zst outputs; a .{kind} has no zstd frames")
     if not 4096 <= frame_size <= MAX_FRAME_SIZE:
         raise UsageError("--frame-size must be between 4K and 1G")
     if kind == "tar" and level is not None:

@@ -139,6 +139,8 @@ def test_pack_refusals_and_errors_are_one_line(src: Path, tmp_path: Path) -> Non
         (("--level", "99", str(src), str(tmp_path / "o.tar.zst")), b"--level"),
         (("--level", "10", str(src), str(tmp_path / "o.zip")), b"--level"),
         (("--level", "3", str(src), str(tmp_path / "o.tar")), b"not compressed"),
+        (("--frame-size", "1M", str(src), str(tmp_path / "o.zip")), b"--frame-size applies to .tar.zst"),
+        (("--frame-size", "1M", str(src), str(tmp_path / "o.tar")), b"--frame-size applies to .tar.zst"),
         ((str(src), str(tmp_path / "missing-dir" / "o.tar")), b"o.tar: cannot write"),
     ):
         res = run_cli("pack", "-q", *args)

@@ -942,6 +942,23 @@ def test_a_tar_cut_between_members_is_served_but_never_silently(
         assert a.open_warnings == [] and caplog.text == ""  # a whole tar: nothing to say
 
 
+def test_a_tar_cut_inside_a_member_names_it_as_the_mount_does(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """GNU tar writes "./d/big.bin": the warning named it so, a name no listing shows."""
+
+    def build(tf: tarfile.TarFile) -> None:
+        _add(tf, "./a.txt", b"a")
+        _add(tf, "./d/big.bin", b"b" * 5000)
+
+    data = _tarfile_archive(tmp_path / "t.tar", tarfile.GNU_FORMAT, build).read_bytes()
+    (tmp_path / "cut.tar").write_bytes(data[: data.index(b"b" * 100) + 1000])
+    with caplog.at_level(logging.WARNING), Archive(str(tmp_path / "cut.tar"), index_dir=str(tmp_path)) as ar:
+        assert ar.files() == ["a.txt", "d/big.bin"]
+        assert "'d/big.bin' first: they read as EIO" in caplog.text, caplog.text
+        assert any("'d/big.bin' first" in w for w in ar.open_warnings), ar.open_warnings
+
+
 def test_open_time_warnings_still_reach_stderr_without_logging_set_up(tmp_path: Path) -> None:
     """Archive.open_warnings keeps them; a script that set up no logging still sees them printed
     (Python's last-resort handler), as before they were kept."""

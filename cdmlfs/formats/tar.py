@@ -69,6 +69,7 @@ from cdmlfs.formats.zstdstream import (
 )
 from cdmlfs.index import DIR, FILE, PATH_BYTES_BASE, PATH_BYTES_PER_ENTRY, SYMLINK, Index
 from cdmlfs.index_store import IndexStore, decompress_bounded
+from cdmlfs.pathrules import normalize
 from cdmlfs.sources.base import Source
 from cdmlfs.zstd_seekable import (
     SKIPPABLE_BASE,
@@ -431,9 +432,11 @@ def warn_about_end(members: MemberTable, where: str) -> None:
         if kind == FILE and off + members.stored_size(i) > members.stream_size
     ]
     if cut:
+        # Named as the mount, ls and the API name it ("./d/big.bin" could be neither grepped nor pasted).
+        first = normalize(cut[0], backslash_is_separator=False) or cut[0]
         log.warning(
             "%s ends inside the data of %d member(s) (a truncated copy?), %r first: they read as EIO",
-            where, len(cut), cut[0],
+            where, len(cut), first,
         )  # fmt: skip
     elif members.ending:
         log.warning("%s: the tar stream %s: listing what came before", where, members.ending)
