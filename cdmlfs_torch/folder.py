@@ -5,7 +5,10 @@ extension filter, errors and overridable ``find_classes``/``make_dataset`` as
 torchvision's ``DatasetFolder``/``ImageFolder``; the root may also be an
 archive or a folder inside one (syntax: :mod:`cdmlfs_torch.roots`), in which
 case sample paths are ``LOCATION::INNER`` and nothing goes through FUSE.
-torchvision itself is not needed.
+torchvision itself is not needed; where it is installed the classes subclass
+its ``DatasetFolder``/``ImageFolder`` (overriding every method), so
+``isinstance`` checks and helpers such as ``wrap_dataset_for_transforms_v2``
+take them as torchvision's own.
 """
 
 from __future__ import annotations
@@ -18,6 +21,15 @@ from cdmlfs_torch import handles
 from cdmlfs_torch._compat import Dataset
 from cdmlfs_torch.loaders import default_loader
 from cdmlfs_torch.roots import ArchiveTree, SampleNotFoundError, Tree, resolve_root, sample_errors
+
+try:  # torchvision's classes as bases where installed (see the module docstring)
+    from torchvision.datasets import DatasetFolder as _DatasetFolderBase
+    from torchvision.datasets import ImageFolder as _ImageFolderBase
+
+    _IMAGE_FOLDER_BASES: tuple[type, ...] = (_ImageFolderBase,)
+except ImportError:  # pragma: no cover - exercised by an environment without torchvision
+    _DatasetFolderBase = Dataset  # type: ignore[misc,assignment]
+    _IMAGE_FOLDER_BASES = ()
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 """The extensions torchvision's ImageFolder accepts (compared case-insensitively)."""
@@ -92,6 +104,11 @@ def make_dataset(
         if extensions is not None:
             shown = extensions if isinstance(extensions, str) else ", ".join(extensions)
             msg += f"Supported extensions are: {shown}"
+        elif isinstance(tree, ArchiveTree):  # torchvision's "Image.open(p).verify()" check fails on each
+            msg += (
+                f"is_valid_file was given archive sample paths ({tree.root_path}/...): it must read "
+                "them with cdmlfs_torch.open_sample(path), not open() or Image.open(path)"
+            )
         raise FileNotFoundError(msg)
     return instances
 
@@ -130,7 +147,7 @@ def _standard_transform(transform: Callable | None, target_transform: Callable |
     return StandardTransform(transform, target_transform)
 
 
-class ArchiveDatasetFolder(Dataset):
+class ArchiveDatasetFolder(_DatasetFolderBase):  # type: ignore[misc,valid-type]
     """torchvision's ``DatasetFolder`` whose root may be an archive (``data.zip::train``).
 
     Pickles as its root, sample list and callables: no archive handle, index
@@ -258,7 +275,7 @@ class ArchiveDatasetFolder(Dataset):
         return "\n".join([f"Dataset {type(self).__name__}"] + ["    " + line for line in body])
 
 
-class ArchiveImageFolder(ArchiveDatasetFolder):
+class ArchiveImageFolder(ArchiveDatasetFolder, *_IMAGE_FOLDER_BASES):  # type: ignore[misc]
     """torchvision's ``ImageFolder`` whose root may be an archive or a folder inside one.
 
     ``root``: a directory (a cdmlfs mount too), ``data.zip``, ``data.zip::train``,

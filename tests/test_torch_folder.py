@@ -592,12 +592,15 @@ def _error(fn) -> tuple[type, str]:
 
 def test_errors_match_torchvision(trees: dict[str, Path]) -> None:
     zip_path, extracted = trees["zip"], trees["extracted"]
-    # Empty classes (no valid file): same type and same message (it names classes, not paths).
+    # Empty classes (no valid file): same type and message (it names classes, not paths); with
+    # is_valid_file on an archive, a hint follows: torchvision's documented check, Image.open(p),
+    # failed on every archive sample path and left only "Found no valid file".
     theirs = _error(lambda: ImageFolder(str(extracted), is_valid_file=lambda p: p.endswith(".txt")))
     ours = _error(
         lambda: ArchiveImageFolder(f"{zip_path}::train", is_valid_file=lambda p: p.endswith(".txt"))
     )
-    assert ours == theirs and theirs[0] is FileNotFoundError
+    assert ours[0] is theirs[0] is FileNotFoundError and ours[1].startswith(theirs[1])
+    assert "cdmlfs_torch.open_sample(path)" in ours[1]
     theirs = _error(lambda: ImageFolder(str(trees["base"] / "extracted")))  # classes train, val; val empty
     ours = _error(lambda: ArchiveImageFolder(str(zip_path)))
     assert ours == theirs and "val" in ours[1] and "Supported extensions are: .jpg" in ours[1]
@@ -671,6 +674,22 @@ def test_transforms_attribute_and_repr_match_torchvision(trees: dict[str, Path])
     assert repr(ours).splitlines()[1:] == [
         line.replace(str(trees["extracted"]), here) for line in repr(theirs).splitlines()[1:]
     ]
+
+
+def test_torchvision_takes_ours_for_its_own(trees: dict[str, Path]) -> None:
+    """isinstance(ds, ImageFolder) was False, and wrap_dataset_for_transforms_v2 refused ours
+    ("meant for subclasses of VisionDataset"); torchvision's own wraps fine."""
+    from torchvision.datasets import DatasetFolder, VisionDataset, wrap_dataset_for_transforms_v2
+
+    ours = ArchiveImageFolder(f"{trees['zip']}::train", transform=transforms.PILToTensor())
+    theirs = ImageFolder(str(trees["extracted"]), transform=transforms.PILToTensor())
+    assert isinstance(ours, ImageFolder) and isinstance(ours, VisionDataset)
+    folder = ArchiveDatasetFolder(f"{trees['zip']}::train", read_sample, (".png",), allow_empty=True)
+    assert isinstance(folder, DatasetFolder) and not isinstance(folder, ImageFolder)
+    wrapped = wrap_dataset_for_transforms_v2(ours)
+    image, target = wrapped[0]
+    assert target == theirs[0][1] and torch.equal(image, theirs[0][0])
+    assert vars(ours).keys() - vars(theirs).keys() == {"tree"}
 
 
 def test_allow_empty_keeps_empty_classes(tmp_path: Path) -> None:
