@@ -272,6 +272,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
             st = archive.stat(args.path, follow_symlinks=True)
         except (NotFoundError, LinkLoopError):  # dangling or looping: listed, as GNU ls does
             st = archive.stat(args.path, follow_symlinks=False)
+        if st.is_dir and args.long and not args.path.endswith("/"):
+            own = archive.stat(args.path, follow_symlinks=False)
+            if own.is_symlink:  # `ls -l link-to-dir` shows the link; `ls -l link-to-dir/` its contents
+                st = own
         if not st.is_dir:
             rows = [archive.stat(args.path, follow_symlinks=False)]
             prefix = ""
@@ -285,6 +289,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             prefix = ""
         out = sys.stdout
         quote = _quote_for_terminal if out.isatty() else str
+        # By name, as ls sorts (a tar's folders list in archive order, as its mount's readdir does).
+        rows = sorted(rows, key=lambda r: r.path)
         for r in rows:
             name = quote(r.path if args.recursive or not st.is_dir else r.path.rpartition("/")[2])
             if r.is_dir:

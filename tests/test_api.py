@@ -181,6 +181,31 @@ def test_cli_ls_marks_folders_alike_and_quotes_control_characters_on_a_terminal(
     assert "$'line\\x0abreak.txt'" in shown, shown
 
 
+def test_cli_ls_sorts_by_name_and_shows_a_link_to_a_folder_with_l_as_ls_does(tmp_path: Path) -> None:
+    """A tar listed in archive order (ls sorts by name), and `ls -l dl` listed what dl points to."""
+    import tarfile
+
+    tar = tmp_path / "o.tar"
+    with tarfile.open(tar, "w") as tf:
+        for name in ("zeta.txt", "d/b.txt", "alpha.txt", "d/a.txt"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tf.addfile(info, io.BytesIO(b"x"))
+        link = tarfile.TarInfo("dl")
+        link.type, link.linkname = tarfile.SYMTYPE, "d"
+        tf.addfile(link)
+    idx = ("--index-dir", str(tmp_path / "idx"))
+    assert run_cli("ls", str(tar), *idx, check=True).stdout.decode().split() == [
+        "alpha.txt", "d/", "dl", "zeta.txt"
+    ]  # fmt: skip
+    assert run_cli("ls", str(tar), "d", *idx, check=True).stdout.decode().split() == ["a.txt", "b.txt"]
+    long = run_cli("ls", "-l", str(tar), "dl", *idx, check=True).stdout.decode().splitlines()
+    assert len(long) == 1 and long[0].startswith("l") and long[0].endswith("dl -> d"), long
+    inside = run_cli("ls", "-l", str(tar), "dl/", *idx, check=True).stdout.decode().splitlines()
+    assert [line.split()[-1] for line in inside] == ["a.txt", "b.txt"], inside
+    assert run_cli("ls", str(tar), "dl", *idx, check=True).stdout.decode().split() == ["a.txt", "b.txt"]
+
+
 def test_cli_ls_l_quotes_link_targets_on_a_terminal(tmp_path: Path) -> None:
     """The name was quoted but not the `-> target` of a link: an archive could send escapes."""
     import tarfile
