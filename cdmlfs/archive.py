@@ -106,19 +106,6 @@ def _close_unclosed(reader: ExtentReader, cache: ExtentCache, source: Source, lo
     _close_parts(reader, cache, source)
 
 
-def _name_for(path, index: Index, eid: int) -> str:
-    """The name to give what ``path`` resolved to (``eid``): the path as asked, normalised
-    (``"./a/"`` is ``"a"``, a link keeps its own name), unless it holds ``..``: folded as text,
-    ``lnk/..`` would name the link's folder, not where the kernel (and ``_resolve``) took it.
-    PurePosixPath and bytes are taken as os functions take them."""
-    if not isinstance(path, str):
-        path = os.fsdecode(path)
-    if ".." in path.split("/"):
-        return index.paths[eid]
-    path = posixpath.normpath("/" + path).lstrip("/")
-    return "" if path == "." else path
-
-
 class Archive:
     """A read-only view of one archive.
 
@@ -309,6 +296,21 @@ class Archive:
                 dirs.append(eid)
         return cur
 
+    def _name_for(self, path, eid: int) -> str:
+        """The name to give what ``path`` resolved to (``eid``): the path as asked, normalised
+        (``"./a/"`` is ``"a"``, a link keeps its own name). With ``..`` in it, the folder it
+        resolved to and its last component: folded as text, ``lnk/../f`` named the link's folder,
+        not where the kernel (and ``_resolve``) took it. PurePosixPath and bytes as os takes them."""
+        text = path if isinstance(path, str) else os.fsdecode(path)
+        if ".." not in text.split("/"):
+            name = posixpath.normpath("/" + text).lstrip("/")
+            return "" if name == "." else name
+        head, _, last = text.rstrip("/").rpartition("/")
+        if last in ("", ".", ".."):
+            return self.index.paths[eid]
+        folder = self.index.paths[self._resolve(head)]
+        return f"{folder}/{last}" if folder else last
+
     # -- queries -------------------------------------------------------------
     def stat(self, path: str, follow_symlinks: bool = True) -> EntryStat:
         return self.index.stat(self._resolve(path, follow_symlinks))
@@ -356,7 +358,7 @@ class Archive:
         """
         index = self.index
         eid = self._resolve(top)
-        stack = [(_name_for(top, index, eid), eid)]
+        stack = [(self._name_for(top, eid), eid)]
         while stack:
             path, eid = stack.pop()
             dirs, files, real = [], [], {}
@@ -432,7 +434,7 @@ class Archive:
         eid = self._resolve(path)
         if self.index.kind[eid] == DIR:
             raise IsADirectoryError_(f"{path}: is a directory")
-        raw = MemberFile(self.reader, eid, _name_for(path, self.index, eid))  # as asked: a link's own name
+        raw = MemberFile(self.reader, eid, self._name_for(path, eid))  # as asked: a link's own name
         raw._archive = self  # the archive lives as long as a file of it is open: cdmlfs.open(p).open(n)
         if buffering == 0:
             return raw

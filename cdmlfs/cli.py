@@ -290,7 +290,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         out = sys.stdout
         quote = _quote_for_terminal if out.isatty() else str
         # By name, as ls sorts (a tar's folders list in archive order, as its mount's readdir does).
-        rows = sorted(rows, key=lambda r: r.path)
+        rows = sorted(rows, key=lambda r: r.path.split("/"))  # a folder's contents right after it
         for r in rows:
             name = quote(r.path if args.recursive or not st.is_dir else r.path.rpartition("/")[2])
             if r.is_dir:

@@ -84,7 +84,7 @@ def split_sample_path(path: str) -> tuple[str, str] | None:
     if SEP not in path:
         return None
     # Checked first: with "x.zip" open here, a folder "x.zip::copy" beside it was read from x.zip.
-    if os.path.exists(path):
+    if not is_uri(path) and os.path.exists(path):  # a URI is never looked up on the local disk
         return None
     split = _split_at_first(path, handles.open_locations().__contains__)
     if split is not None:

@@ -187,7 +187,7 @@ def test_cli_ls_sorts_by_name_and_shows_a_link_to_a_folder_with_l_as_ls_does(tmp
 
     tar = tmp_path / "o.tar"
     with tarfile.open(tar, "w") as tf:
-        for name in ("zeta.txt", "d/b.txt", "alpha.txt", "d/a.txt"):
+        for name in ("zeta.txt", "d/b.txt", "alpha.txt", "d/a.txt", "d.txt", "d-x/c.txt"):
             info = tarfile.TarInfo(name)
             info.size = 1
             tf.addfile(info, io.BytesIO(b"x"))
@@ -196,8 +196,19 @@ def test_cli_ls_sorts_by_name_and_shows_a_link_to_a_folder_with_l_as_ls_does(tmp
         tf.addfile(link)
     idx = ("--index-dir", str(tmp_path / "idx"))
     assert run_cli("ls", str(tar), *idx, check=True).stdout.decode().split() == [
-        "alpha.txt", "d/", "dl", "zeta.txt"
+        "alpha.txt", "d/", "d-x/", "d.txt", "dl", "zeta.txt"
     ]  # fmt: skip
+    assert run_cli("ls", "-R", str(tar), *idx, check=True).stdout.decode().split() == [
+        "alpha.txt",
+        "d/",
+        "d/a.txt",
+        "d/b.txt",
+        "d-x/",
+        "d-x/c.txt",
+        "d.txt",
+        "dl",
+        "zeta.txt",
+    ]  # fmt: skip  (a folder's contents right after it, as ls -R shows them)
     assert run_cli("ls", str(tar), "d", *idx, check=True).stdout.decode().split() == ["a.txt", "b.txt"]
     long = run_cli("ls", "-l", str(tar), "dl", *idx, check=True).stdout.decode().splitlines()
     assert len(long) == 1 and long[0].startswith("l") and long[0].endswith("dl -> d"), long
@@ -378,8 +389,8 @@ def test_odd_paths_resolve_as_the_kernel_resolves_them(tmp_path: Path) -> None:
         # Names given back for such paths are where they resolved to, not the text folded.
         top, _, files = next(ar.walk("deep/.."))
         assert top == "sub" and "b.txt" in files and ar.read(f"{top}/b.txt") == b"sub b"
-        with ar.open("deep/../b.txt") as f:
-            assert f.name == "sub/b.txt"
+        with ar.open("deep/../b.txt") as f, ar.open("deep/../l") as g:
+            assert f.name == "sub/b.txt" and g.name == "sub/l"  # a link keeps its own name
         # ".." at the root stays there (the package's path rule); a link may not climb out of it.
         assert ar.read("../b.txt") == ar.read("/../sub/../b.txt") == b"root b"
     z = _links_zip(tmp_path / "z.zip", {"out": "sub/../../x", "empty": "", "sub/keep": ".."}, {"x": b"x"})

@@ -592,15 +592,25 @@ def _error(fn) -> tuple[type, str]:
 
 def test_errors_match_torchvision(trees: dict[str, Path]) -> None:
     zip_path, extracted = trees["zip"], trees["extracted"]
-    # Empty classes (no valid file): same type and message (it names classes, not paths); with
-    # is_valid_file on an archive, a hint follows: torchvision's documented check, Image.open(p),
-    # failed on every archive sample path and left only "Found no valid file".
+    # Empty classes (no valid file): same type and message (it names classes, not paths).
     theirs = _error(lambda: ImageFolder(str(extracted), is_valid_file=lambda p: p.endswith(".txt")))
     ours = _error(
         lambda: ArchiveImageFolder(f"{zip_path}::train", is_valid_file=lambda p: p.endswith(".txt"))
     )
-    assert ours[0] is theirs[0] is FileNotFoundError and ours[1].startswith(theirs[1])
-    assert "cdmlfs_torch.open_sample(path)" in ours[1]
+    assert ours == theirs and theirs[0] is FileNotFoundError
+    # An is_valid_file that took no file at all on an archive gets a hint: torchvision's documented
+    # check, Image.open(p).verify(), failed on every archive sample path.
+
+    def verifies(path: str) -> bool:
+        try:
+            Image.open(path).verify()
+        except Exception:
+            return False
+        return True
+
+    assert ImageFolder(str(extracted), is_valid_file=verifies, allow_empty=True).samples
+    ours = _error(lambda: ArchiveImageFolder(f"{zip_path}::train", is_valid_file=verifies))
+    assert ours[0] is FileNotFoundError and "cdmlfs_torch.open_sample(path)" in ours[1], ours
     theirs = _error(lambda: ImageFolder(str(trees["base"] / "extracted")))  # classes train, val; val empty
     ours = _error(lambda: ArchiveImageFolder(str(zip_path)))
     assert ours == theirs and "val" in ours[1] and "Supported extensions are: .jpg" in ours[1]
