@@ -532,9 +532,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
     import json
 
     from cdmlfs import statsio
-    from cdmlfs.mountpoints import call_within, mount_entry
+    from cdmlfs.mountpoints import call_within, enclosing_mount, mount_entry
 
     entry = mount_entry(args.mountpoint)
+    if entry is None:  # a folder inside a mount: its mount's counters, as df answers for it
+        entry = enclosing_mount(args.mountpoint)
     if entry is None or entry["fstype"] != "fuse.cdmlfs":
         if not os.path.lexists(args.mountpoint):
             raise UsageError(f"{args.mountpoint}: no such directory")

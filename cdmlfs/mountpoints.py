@@ -95,6 +95,18 @@ def mount_entry(path: str) -> dict[str, str] | None:
     return None
 
 
+def enclosing_mount(path: str) -> dict[str, str] | None:
+    """The mountinfo entry of the innermost mount holding ``path`` below its mount point, or None
+    (``cdmlfs stats MNT/train`` answered "not a cdmlfs mount")."""
+    target = _resolved_above(path)
+    found = None
+    for entry in _mounts():  # the longest mount point above it; the last of equal ones wins
+        mp = entry["mountpoint"]
+        if target.startswith(mp.rstrip("/") + "/") and (found is None or len(mp) >= len(found["mountpoint"])):
+            found = entry
+    return found
+
+
 def _is_dead(path: str) -> bool:
     # statvfs always reaches the daemon; stat of the mount root may be answered from the attr cache.
     try:

@@ -43,6 +43,11 @@ def test_stats_count_what_was_served(both_paths: str, tmp_path: Path, mnt: Path)
         assert (stats["fast_path"] is not None) == (both_paths == "1")
         human = run_cli("stats", str(mnt), check=True).stdout.decode()
         assert "hit rate" in human and "CorruptMemberError" in human
+        # A folder inside the mount: that mount's counters ("not a cdmlfs mount" before).
+        inner = json.loads(run_cli("stats", "--json", str(mnt / "data" / "nested"), check=True).stdout)
+        assert inner["format"] == "zip" and inner["cache"]["limit"] == 32 << 20
+        res = run_cli("stats", str(tmp_path))  # a folder outside any cdmlfs mount
+        assert res.returncode == 2 and b"not a cdmlfs mount" in res.stderr
         # Extended attributes are not supported (ls -l asks each file for its ACL and label): the
         # first getxattr answers ENOSYS and the kernel asks no more; listxattr lists none.
         requests = mount_stats(mnt)["loop"]
