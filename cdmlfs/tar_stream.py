@@ -106,7 +106,7 @@ class _Decompressed:
     def _more_input(self) -> bytes:
         data = self._raw.read(STREAM_CHUNK)
         if not data and self._dec is not None:
-            raise EOFError("the compressed stream ends before its end marker (a truncated file?)")
+            raise EOFError("the compressed stream ends before its end marker: a truncated file?")
         return data
 
     def _start(self) -> bool:
