@@ -119,36 +119,41 @@ def _pread_exact(fd: int, offset: int, n: int) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def _py_stream(data: Buffer, size: int, step: int) -> Iterator[bytes]:
-    """Yield the output of a raw deflate stream in pieces of at most ``step`` bytes.
+def _py_stream(chunks: Iterator[Buffer], size: int, step: int) -> Iterator[bytes]:
+    """Yield the output of a raw deflate stream, given as ``chunks`` of input, in pieces of at most
+    ``step`` bytes.
 
     Checks, in order, exactly like the C ``zlib_inflate_exact``: never more than
     ``size`` bytes (one spare byte detects overflow), stream complete, no
-    trailing input. Raises CorruptMemberError after the last piece otherwise.
+    trailing input. Raises CorruptMemberError after the last piece otherwise. A
+    chunk is asked for only when the one before is used up, so a stream that ends
+    early is found before the rest is read.
     """
     d = zlib.decompressobj(-15)
     filled = 0
-    feed = data
+    feed: Buffer = b""
     try:
         while filled < size:
+            if not feed and not (feed := next(chunks, b"")):
+                break
             out = d.decompress(feed, min(size - filled, step))
             feed = d.unconsumed_tail
-            if not out:
-                break
-            filled += len(out)
-            yield out
+            if out:
+                filled += len(out)
+                yield out
             if d.eof:
                 break
         if filled < size:
             raise CorruptMemberError(SIZE_MISMATCH if d.eof else BAD_DATA)
-        if not d.eof:
+        while not d.eof:  # all the output is out: the stream must end here, with not a byte more
+            if not feed and not (feed := next(chunks, b"")):
+                raise CorruptMemberError(BAD_DATA)
             if d.decompress(feed, 1):
                 raise CorruptMemberError(SIZE_MISMATCH)
-            if not d.eof:
-                raise CorruptMemberError(BAD_DATA)
+            feed = d.unconsumed_tail
     except zlib.error:
         raise CorruptMemberError(BAD_DATA) from None
-    if d.unused_data:
+    if d.unused_data or feed or next(chunks, b""):
         raise CorruptMemberError(TRAILING_DATA)
 
 
@@ -162,7 +167,7 @@ def _py_inflate(data: Buffer, size: int, crc: int) -> bytes:
     if size == 0 and memoryview(data).nbytes == 0:
         out = b""  # some writers store an empty member as no deflate bytes at all
     else:
-        pieces = list(_py_stream(data, size, max(size, 1)))
+        pieces = list(_py_stream(iter((data,)), size, max(size, 1)))
         out = pieces[0] if len(pieces) == 1 else b"".join(pieces)
     check_crc(zlib.crc32(out), crc)
     return out
@@ -180,7 +185,7 @@ def _py_inflate_into(data: Buffer, out: Buffer, crc: int) -> int:
     got = 0
     if not (size == 0 and comp_size == 0):
         pos = 0
-        for piece in _py_stream(data, size, _STEP):
+        for piece in _py_stream(iter((data,)), size, _STEP):
             view[pos : pos + len(piece)] = piece
             got = zlib.crc32(piece, got)
             pos += len(piece)
@@ -232,36 +237,18 @@ def read_deflated_in_pieces(
     check_sizes(comp_size, size)
     if step <= 0:
         raise ValueError("step must be positive")
-    d = zlib.decompressobj(-15)
-    pieces: list[bytes] = []
-    filled = 0
-    pos = 0
-    feed: Buffer = b""
-    try:
-        while not d.eof:
-            if not feed:
-                if pos >= comp_size:
-                    break
-                feed = read_at(offset + pos, min(step, comp_size - pos))
-                if not feed:
-                    raise SourceError(f"unexpected end of data at offset {offset + pos}")
-                pos += len(feed)
-            out = d.decompress(feed, size + 1 - filled)  # one spare byte detects overflow
-            feed = d.unconsumed_tail
-            if out:
-                filled += len(out)
-                if filled > size:
-                    raise CorruptMemberError(SIZE_MISMATCH)
-                pieces.append(out)
-    except zlib.error:
-        raise CorruptMemberError(BAD_DATA) from None
-    if not d.eof:
-        raise CorruptMemberError(BAD_DATA)
-    if filled != size:
-        raise CorruptMemberError(SIZE_MISMATCH)
-    if d.unused_data or feed or pos < comp_size:
-        raise CorruptMemberError(TRAILING_DATA)
-    data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    def pieces() -> Iterator[Buffer]:
+        pos = 0
+        while pos < comp_size:
+            chunk = read_at(offset + pos, min(step, comp_size - pos))
+            if not chunk:
+                raise SourceError(f"unexpected end of data at offset {offset + pos}")
+            pos += len(chunk)
+            yield chunk
+
+    out = list(_py_stream(pieces(), size, max(size, 1)))
+    data = out[0] if len(out) == 1 else b"".join(out)
     check_crc(zlib.crc32(data), crc)
     return data
 
