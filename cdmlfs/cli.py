@@ -268,16 +268,15 @@ def _format_mode(mode: int) -> str:
 def cmd_ls(args: argparse.Namespace) -> int:
     archive = _open_archive(args, cache_size=64 << 20)
     with archive:
+        own = archive.stat(args.path, follow_symlinks=False)
         try:
             st = archive.stat(args.path, follow_symlinks=True)
         except (NotFoundError, LinkLoopError):  # dangling or looping: listed, as GNU ls does
-            st = archive.stat(args.path, follow_symlinks=False)
-        if st.is_dir and args.long and not args.path.endswith("/"):
-            own = archive.stat(args.path, follow_symlinks=False)
-            if own.is_symlink:  # `ls -l link-to-dir` shows the link; `ls -l link-to-dir/` its contents
-                st = own
+            st = own
+        if st.is_dir and own.is_symlink and args.long and not args.path.endswith("/"):
+            st = own  # `ls -l link-to-dir` shows the link; `ls -l link-to-dir/` its contents
         if not st.is_dir:
-            rows = [archive.stat(args.path, follow_symlinks=False)]
+            rows = [own]
             prefix = ""
         elif args.recursive:
             idx = archive.index
