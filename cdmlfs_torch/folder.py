@@ -48,6 +48,16 @@ def _tree(directory: str | os.PathLike | Tree) -> Tree:
     return directory if isinstance(directory, Tree) else resolve_root(directory)
 
 
+def _opened_locally(exc: FileNotFoundError, path: str, who: str) -> FileNotFoundError:
+    """The error for a callable that gave an archive sample path to ``open()``: says what to use."""
+    return FileNotFoundError(
+        exc.errno,
+        f"{exc.strerror}: {who} opened an archive sample path as a local file; "
+        "it must read through cdmlfs_torch.open_sample() or read_sample()",
+        path,
+    )
+
+
 def find_classes(directory: str | os.PathLike | Tree) -> tuple[list[str], dict[str, int]]:
     """Class names (sorted sub-directories of the root, symlinks followed) and their indices."""
     tree = _tree(directory)
@@ -95,7 +105,13 @@ def make_dataset(
         for dirpath, _, fnames in sorted(tree.walk(target_dir)):
             for fname in sorted(fnames):
                 path = tree.join(dirpath, fname)
-                if is_valid_file(path):
+                try:
+                    valid = is_valid_file(path)
+                except FileNotFoundError as exc:  # Image.open(path).verify() on "data.zip::a/b.jpg"?
+                    if exc.filename != path or not isinstance(tree, ArchiveTree):
+                        raise
+                    raise _opened_locally(exc, path, "is_valid_file") from exc
+                if valid:
                     instances.append((path, class_index))
                     found.add(target_class)
     empty = set(class_to_idx) - found
@@ -172,7 +188,10 @@ class ArchiveDatasetFolder(_DatasetFolderBase):  # type: ignore[misc,valid-type]
         self.transform = transform
         self.target_transform = target_transform
         self.transforms = _standard_transform(transform, target_transform)
-        self.tree = resolve_root(self.root, cache_size=cache_size, **(open_options or {}))
+        # The root is opened by the first hook that needs it (the default find_classes), not here:
+        # a subclass whose hooks read a manifest instead never has its root taken for a folder.
+        self._tree: Tree | None = None
+        self._tree_options = {"cache_size": cache_size, **(open_options or {})}
         classes, class_to_idx = self.find_classes(self.root)
         samples = self.make_dataset(
             self.root,
@@ -208,12 +227,24 @@ class ArchiveDatasetFolder(_DatasetFolderBase):  # type: ignore[misc,valid-type]
             allow_empty=allow_empty,
         )
 
+    @property
+    def tree(self) -> Tree:
+        """The root, opened on first use (a directory, or a folder of an archive)."""
+        if self._tree is None:
+            self._tree = resolve_root(self.root, **self._tree_options)
+        return self._tree
+
     def find_classes(self, directory: str | os.PathLike) -> tuple[list[str], dict[str, int]]:
-        """Override to change what a class is (torchvision's hook, same arguments)."""
-        if directory is not self.root:
+        """Override to change what a class is (torchvision's hook, same arguments).
+
+        Like torchvision's, it needs no constructed dataset: a subclass may call it before
+        ``super().__init__`` (to pick classes, say), which opens ``directory`` on its own.
+        """
+        if directory is not getattr(self, "root", None) or "_tree_options" not in vars(self):
             return find_classes(directory)
+        tree = self.tree  # a missing root is its own error, not "no class folder"
         try:
-            return find_classes(self.tree)
+            return find_classes(tree)
         except FileNotFoundError:  # name the root as it was given, like torchvision
             raise FileNotFoundError(f"Couldn't find any class folder in {self.root}.") from None
 
@@ -236,21 +267,16 @@ class ArchiveDatasetFolder(_DatasetFolderBase):  # type: ignore[misc,valid-type]
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         path, target = self.samples[index]
-        if isinstance(self.tree, ArchiveTree):
+        if isinstance(self._tree, ArchiveTree):  # None: the subclass's hooks never opened the root
             with sample_errors(path):  # an archive gone by then: an OSError like any sample's
-                archive = self.tree.archive  # this process's handle, opened with this dataset's options
+                archive = self._tree.archive  # this process's handle, opened with this dataset's options
             try:
-                with handles.reading_from(self.tree.location, archive):  # the version we listed
+                with handles.reading_from(self._tree.location, archive):  # the version we listed
                     sample = self.loader(path)
             except FileNotFoundError as exc:
                 if exc.filename != path or isinstance(exc, SampleNotFoundError):
                     raise
-                raise FileNotFoundError(
-                    exc.errno,
-                    f"{exc.strerror}: the loader opened an archive sample path as a local file; "
-                    "loaders must read through cdmlfs_torch.open_sample() or read_sample()",
-                    path,
-                ) from exc
+                raise _opened_locally(exc, path, "the loader") from exc
         else:
             sample = self.loader(path)
         if self.transform is not None:
@@ -272,7 +298,8 @@ class ArchiveDatasetFolder(_DatasetFolderBase):  # type: ignore[misc,valid-type]
         body += self.extra_repr().splitlines()
         if self.transforms is not None:
             body.append(repr(self.transforms))  # one item: only its first line is indented
-        return "\n".join([f"Dataset {type(self).__name__}"] + ["    " + line for line in body])
+        indent = " " * getattr(self, "_repr_indent", 4)  # torchvision's attribute, for subclasses
+        return "\n".join([f"Dataset {type(self).__name__}"] + [indent + line for line in body])
 
 
 class ArchiveImageFolder(ArchiveDatasetFolder, *_IMAGE_FOLDER_BASES):  # type: ignore[misc]

@@ -53,9 +53,19 @@ def pil_loader(path: str | os.PathLike) -> Any:
         return img.convert("RGB")
 
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PNG_BIT_DEPTH_AT = 24  # signature, IHDR length and type, width, height: then the bit depth
+
+
 def _torchvision_decodes(head: bytes) -> bool:
-    """JPEG, PNG, GIF and WebP: the formats ``torchvision.io.decode_image`` reads."""
-    return head.startswith((b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a")) or (
+    """JPEG, 8-bit PNG, GIF and WebP: what ``torchvision.io.decode_image`` gives as PIL's loader does.
+
+    16-bit PNGs are left to PIL: ``convert("RGB")`` clips grey levels at 255 and keeps
+    the high byte of colour ones, and the two loaders must give the same pixels.
+    """
+    if head.startswith(PNG_SIGNATURE):
+        return len(head) > PNG_BIT_DEPTH_AT and head[PNG_BIT_DEPTH_AT] <= 8
+    return head.startswith((b"\xff\xd8\xff", b"GIF87a", b"GIF89a")) or (
         head[:4] == b"RIFF" and head[8:12] == b"WEBP"
     )
 
@@ -63,18 +73,18 @@ def _torchvision_decodes(head: bytes) -> bool:
 def tensor_loader(path: str | os.PathLike) -> Any:
     """Decode an image into a uint8 ``C,H,W`` RGB tensor, for ``torchvision.transforms.v2`` pipelines.
 
-    JPEG, PNG, GIF and WebP go through ``torchvision.io.decode_image`` (for JPEG,
+    JPEG, 8-bit PNG, GIF and WebP go through ``torchvision.io.decode_image`` (for JPEG,
     libjpeg-turbo straight into a tensor, skipping PIL's image object and its
     conversions: a RandomResizedCrop + flip pipeline then costs about 1.1 ms of
     CPU per ImageNet-sized JPEG instead of 1.8 ms with PIL, which is what keeps a
     fast GPU fed when decoding is the bottleneck). The other ImageFolder formats
-    (BMP, TIFF, PPM/PGM) are decoded by PIL and converted, so any tree that
-    ``ImageFolder`` accepts works.
+    (BMP, TIFF, PPM/PGM, 16-bit PNG) are decoded by PIL and converted, so any tree
+    that ``ImageFolder`` accepts works, with the pixels the default loader gives.
     """
     import torch
 
     data = read_sample(path)
-    if _torchvision_decodes(data[:12]):
+    if _torchvision_decodes(data[: PNG_BIT_DEPTH_AT + 1]):
         from torchvision.io import ImageReadMode, decode_image
 
         try:
@@ -83,8 +93,6 @@ def tensor_loader(path: str | os.PathLike) -> Any:
             raise OSError(f"cannot decode image file {os.fspath(path)!r}: {exc}") from exc
         if img.ndim == 4:  # an animated GIF: its first frame, as PIL's loader gives
             img = img[0]
-        if img.dtype != torch.uint8:  # 16-bit PNGs decode to uint16: keep their high byte
-            img = (img.to(torch.int32) >> 8).to(torch.uint8)
         return img
     import numpy as np
     from PIL import Image

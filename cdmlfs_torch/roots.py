@@ -396,5 +396,11 @@ def resolve_root(root: str | os.PathLike, **open_kwargs: Any) -> Tree:
         rest = f"{name}/{rest}" if rest else name
         head = parent
     if head and os.path.isfile(head):
-        return ArchiveTree(head, rest, **open_kwargs).check()
+        tree = ArchiveTree(head, rest, **open_kwargs)
+        try:
+            return tree.check()
+        except (FileNotFoundError, NotADirectoryError) as exc:  # name the folder as given, as on disk
+            if exc.filename != tree.root_path:
+                raise
+            raise type(exc)(exc.errno, exc.strerror, text) from exc
     raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), text)

@@ -212,16 +212,37 @@ def test_tensor_loader_equals_torchvision_io(trees: dict[str, Path]) -> None:
     assert kinds == {"torchvision", "pil"}
 
 
-def test_tensor_loader_gives_uint8_for_16_bit_pngs(tmp_path: Path) -> None:
-    """decode_image keeps 16 bits (uint16, which default_collate cannot stack with uint8 images)."""
-    deep = np.arange(0, 65536, 4096, dtype=np.uint16).reshape(4, 4)
-    png = tmp_path / "deep.png"
-    Image.fromarray(deep).save(png)
+def _png16_rgb(width: int, height: int, values: np.ndarray) -> bytes:
+    """A 16-bit-per-channel RGB PNG (PIL cannot write one): IHDR, one IDAT, IEND."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    rows = b"".join(b"\0" + values[y].astype(">u2").tobytes() for y in range(height))
+    ihdr = struct.pack(">IIBBBBB", width, height, 16, 2, 0, 0, 0)
+    body = chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+    return b"\x89PNG\r\n\x1a\n" + body
+
+
+def test_tensor_loader_gives_the_default_loaders_pixels_for_16_bit_pngs(tmp_path: Path) -> None:
+    """decode_image keeps 16 bits (uint16, which default_collate cannot stack with uint8 images); the
+    high byte it was cut to differed from PIL's convert("RGB") (it clips grey levels at 255) by up
+    to 253: switching loaders changed the training data."""
+    grey = np.arange(0, 65536, 4096, dtype=np.uint16).reshape(4, 4)
+    png = tmp_path / "grey16.png"
+    Image.fromarray(grey).save(png)
+    colour = np.arange(4 * 4 * 3, dtype=np.uint16).reshape(4, 12) * 1361
     with zipfile.ZipFile(tmp_path / "deep.zip", "w") as zf:
-        zf.write(png, "a/deep.png")
-    x = tensor_loader(f"{tmp_path / 'deep.zip'}::a/deep.png")
-    assert x.dtype == torch.uint8 and x.shape == (3, 4, 4)
-    assert torch.equal(x[0], torch.from_numpy((deep >> 8).astype(np.uint8)))
+        zf.write(png, "a/grey16.png")
+        zf.writestr("a/rgb16.png", _png16_rgb(4, 4, colour))
+    for name in ("grey16.png", "rgb16.png"):
+        path = f"{tmp_path / 'deep.zip'}::a/{name}"
+        x = tensor_loader(path)
+        assert x.dtype == torch.uint8 and x.shape == (3, 4, 4)
+        assert torch.equal(x, torch.from_numpy(np.array(pil_loader(path))).permute(2, 0, 1)), name
+    assert tensor_loader(f"{tmp_path / 'deep.zip'}::a/grey16.png").max() == 255  # clipped, as PIL does
 
 
 def test_tensor_loader_fails_as_pil_loader_does_and_takes_a_gifs_first_frame(tmp_path: Path) -> None:
@@ -642,8 +663,12 @@ def test_missing_roots(trees: dict[str, Path], tmp_path: Path) -> None:
         ArchiveImageFolder(str(tmp_path / "nope.zip"))
     with pytest.raises(FileNotFoundError):
         ArchiveImageFolder(f"{zip_path}::no/such/folder")
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError) as missing:
         ArchiveImageFolder(f"{zip_path}/no/such/folder")
+    assert missing.value.filename == f"{zip_path}/no/such/folder"  # as given, as ImageFolder names it
+    with pytest.raises(NotADirectoryError) as not_dir:
+        ArchiveImageFolder(f"{zip_path}/train/cat/b.jpg")
+    assert not_dir.value.filename == f"{zip_path}/train/cat/b.jpg"
     with pytest.raises(NotADirectoryError):
         ArchiveImageFolder(f"{zip_path}::train/cat/b.jpg")
     # As ImageFolder answers for a root on disk: OSErrors, not cdmlfs's own error types.
@@ -699,7 +724,7 @@ def test_torchvision_takes_ours_for_its_own(trees: dict[str, Path]) -> None:
     wrapped = wrap_dataset_for_transforms_v2(ours)
     image, target = wrapped[0]
     assert target == theirs[0][1] and torch.equal(image, theirs[0][0])
-    assert vars(ours).keys() - vars(theirs).keys() == {"tree"}
+    assert vars(ours).keys() - vars(theirs).keys() == {"_tree", "_tree_options"}
 
 
 def test_allow_empty_keeps_empty_classes(tmp_path: Path) -> None:
@@ -834,3 +859,83 @@ def test_double_colons_in_real_names(tmp_path: Path) -> None:
         ds = ArchiveImageFolder(root)
         assert ds.classes == ["cat", "dog"] and ds[1][0].size == (4, 4), root
     assert cdmlfs_torch.read_sample(f"{odd}::top/cat/1.png") == (folder / "cat" / "1.png").read_bytes()
+
+
+class _PicksFirst(ImageFolder):
+    """A subclass that asks find_classes before its base is built (torchvision's hook allows it)."""
+
+    def __init__(self, root: str, **kw) -> None:
+        classes, _ = self.find_classes(root)
+        self.first = classes[0]
+        super().__init__(root, **kw)
+
+
+class _OursPicksFirst(ArchiveImageFolder):
+    def __init__(self, root: str, **kw) -> None:
+        classes, _ = self.find_classes(root)
+        self.first = classes[0]
+        super().__init__(root, **kw)
+
+
+def test_find_classes_before_the_dataset_is_built(trees: dict[str, Path]) -> None:
+    """It read self.root and self.tree, which a subclass calling it first has not set: AttributeError."""
+    theirs = _PicksFirst(str(trees["extracted"]))
+    for root in (f"{trees['zip']}::train", str(trees["extracted"])):
+        ours = _OursPicksFirst(root)
+        assert ours.first == theirs.first == "Zebra"
+        assert ours.classes == theirs.classes and ours.targets == theirs.targets
+
+
+def test_hooks_that_read_a_manifest_never_open_the_root_as_a_folder(tmp_path: Path) -> None:
+    """The root was opened as a folder before the hooks ran: a subclass whose hooks read a list of
+    samples from a file (torchvision's docstring suggests overriding make_dataset so) was refused."""
+    manifest = tmp_path / "manifest.csv"
+    manifest.write_text("a.jpg,0\nb.jpg,1\n")
+
+    def hooks(base: type) -> type:
+        class Manifest(base):
+            def find_classes(self, directory):
+                return ["x", "y"], {"x": 0, "y": 1}
+
+            @staticmethod
+            def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+                return [(p, int(t)) for p, t in (line.split(",") for line in open(directory).read().split())]
+
+        return Manifest
+
+    from torchvision.datasets import DatasetFolder
+
+    theirs = hooks(DatasetFolder)(str(manifest), loader=str.upper, extensions=(".jpg",))
+    ours = hooks(ArchiveDatasetFolder)(str(manifest), loader=str.upper, extensions=(".jpg",))
+    assert ours.samples == theirs.samples == [("a.jpg", 0), ("b.jpg", 1)]
+    assert ours[1] == theirs[1] == ("B.JPG", 1)
+
+
+def test_is_valid_file_that_opens_sample_paths_itself_is_told_what_to_use(trees: dict[str, Path]) -> None:
+    """An is_valid_file that lets Image.open's error out got a bare FileNotFoundError on 'x.zip::a.png'."""
+    from PIL import UnidentifiedImageError
+
+    def decodes(path: str) -> bool:  # not an image: False; no such file: the error goes out
+        try:
+            with Image.open(path) as img:
+                img.verify()
+        except UnidentifiedImageError:
+            return False
+        return True
+
+    with pytest.raises(FileNotFoundError, match=r"is_valid_file opened an archive sample path .*open_sample"):
+        ArchiveImageFolder(f"{trees['zip']}::train", is_valid_file=decodes)
+    # On a directory the paths are local files: the same function works, as with ImageFolder.
+    ours = ArchiveImageFolder(str(trees["extracted"]), is_valid_file=decodes)
+    assert ours.samples == ImageFolder(str(trees["extracted"]), is_valid_file=decodes).samples
+
+
+def test_repr_follows_repr_indent(trees: dict[str, Path]) -> None:
+    class Wide(ArchiveImageFolder):
+        _repr_indent = 2
+
+    class TheirWide(ImageFolder):
+        _repr_indent = 2
+
+    root = str(trees["extracted"])
+    assert repr(Wide(root)).replace("Wide", "X") == repr(TheirWide(root)).replace("TheirWide", "X")
