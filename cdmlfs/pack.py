@@ -47,6 +47,7 @@ import errno
 import logging
 import math
 import os
+import re
 import secrets
 import stat as statmod
 import struct
@@ -84,7 +85,10 @@ DEFAULT_FRAME_SIZE = 4 << 20
 DEFAULT_ZSTD_LEVEL = 3
 DEFAULT_DEFLATE_LEVEL = 6
 READ_CHUNK = 1 << 20
-MAX_FRAME_SIZE = 1 << 30  # the seek table stores 32-bit sizes; keep frames far below that
+# A mount decodes at most 64 MiB in one piece (cdmlfs.reader.WHOLE_MEMBER_MAX, with a cache of 256 MiB
+# or more): a larger frame would be served in pieces, each random read decoding from the frame's start,
+# and its checksum checked only at its end.
+MAX_FRAME_SIZE = 64 << 20
 STORED_EXTENSIONS = frozenset(  # already compressed: deflating them again only costs time
     {
         *("jpg", "jpeg", "png", "gif", "webp", "avif", "heic", "heif", "jxl", "mp3", "m4a", "aac", "ogg"),
@@ -620,6 +624,8 @@ def write_zip(entries: list[PackEntry], f, level: int, progress: Progress | None
 
 # -- command ------------------------------------------------------------------------------------
 def output_kind(path: str) -> str:
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", path):  # s3://...: read as a local path, it wrote ./s3:/...
+        raise UsageError(f"{path}: pack writes a local file (upload it afterwards: aws s3 cp OUT {path})")
     lower = path.lower()
     if lower.endswith((".tar.zst", ".tzst", ".tar.zstd")):
         return "tar.zst"
@@ -710,7 +716,7 @@ def pack(
     elif kind != "tar.zst":  # accepted and ignored before: a user tuning random access got nothing
         raise UsageError(f"--frame-size applies to .tar.zst outputs; a .{kind} has no zstd frames")
     if not 4096 <= frame_size <= MAX_FRAME_SIZE:
-        raise UsageError("--frame-size must be between 4K and 1G")
+        raise UsageError("--frame-size must be between 4K and 64M (the most a mount decodes in one piece)")
     if kind == "tar" and level is not None:
         raise UsageError("--level applies to .tar.zst and .zip outputs; a .tar is not compressed")
     low, high = (-1, 9) if kind == "zip" else (-(1 << 17), 22)  # deflate; zstd (negative: fast modes)

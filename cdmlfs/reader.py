@@ -139,7 +139,7 @@ class ExtentReader:
         # fails too, whatever path or offset it takes, so no page of it is ever served unverified again).
         self._verified = bytearray(self.index.entry_count)
         self._corrupt: dict[int, str] = {}  # why a CORRUPT member failed
-        self._stored_crc: dict[int, CrcCoverage] = {}  # large stored members read so far
+        self._crc_runs: dict[int, CrcCoverage] = {}  # large members read so far, before their CRC check
         self._forward: dict[int, _Forward] = {}
         self._build_locks: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
@@ -165,7 +165,7 @@ class ExtentReader:
         self._lock = threading.Lock()
         self._build_locks = {}
         self._forward = {}
-        self._stored_crc = {}
+        self._crc_runs = {}
 
     # -- public --------------------------------------------------------------
     @property
@@ -222,7 +222,7 @@ class ExtentReader:
                     raise EncryptedMemberError(ENCRYPTED_REASON)
                 self._stored_into(eid, self.fmt.data_offset(eid) + offset, out[:n])
                 if state != VERIFIED:
-                    self._track_stored_crc(eid, offset, out[:n], total)
+                    self._track_crc(eid, offset, out[:n], total)
             except MemberError as exc:
                 if exc.member is None:
                     exc.member = ix.paths[eid]
@@ -244,22 +244,23 @@ class ExtentReader:
         else:
             dst[:] = self.source.read_at(at, n)
 
-    def _track_stored_crc(self, eid: int, offset: int, data, total: int) -> None:
-        """Check a large stored member's CRC once its bytes have all been read, in any order.
+    def _track_crc(self, eid: int, offset: int, data, total: int) -> None:
+        """Check a large member's CRC once its bytes have all been read, in any order.
 
-        Such members are too large to read whole on first access; reads are served as they
-        come, unverified until then (documented), and the read that completes the coverage
+        Such members (stored ZIP members, packed tar.zst members in pieces of huge frames)
+        are too large to read whole on first access; reads are served as they come,
+        unverified until then (documented), and the read that completes the coverage
         fails if the CRC does not match.
         """
         crc = self.index.crc[eid]
         with self._lock:
-            coverage = self._stored_crc.get(eid)
+            coverage = self._crc_runs.get(eid)
             if coverage is None:
-                coverage = self._stored_crc[eid] = CrcCoverage(total)
+                coverage = self._crc_runs[eid] = CrcCoverage(total)
             running = coverage.add(offset, data)
             if running is None:
                 return
-            self._stored_crc.pop(eid, None)
+            self._crc_runs.pop(eid, None)
         if running != crc:
             self._mark_corrupt(eid, inflate.crc_mismatch(crc, running))
         self._verified[eid] = VERIFIED
@@ -378,7 +379,7 @@ class ExtentReader:
                 return _view(data, offset, offset + size)
         # Large stored member: serve directly, verify the CRC as a sequential reader reaches the end.
         data = self.source.read_at(start + offset, size)
-        self._track_stored_crc(eid, offset, data, total)
+        self._track_crc(eid, offset, data, total)
         return data
 
     # -- deflate -------------------------------------------------------------
@@ -631,8 +632,10 @@ class ExtentReader:
         Its frame decoded up to the member's end when the frame worker takes it;
         otherwise (a frame too large for one decode is served in pieces, which
         the frame checksum covers only at the frame's end) the whole member
-        gathered from the extents. A member too large to gather is checked, like
-        a large stored one, only by reading it whole.
+        gathered from the extents. A member too large to gather is served from
+        whole frames, each checked by its own checksum; where pieces of a frame
+        serve it (a frame over a quarter of the cache), it is checked like a large
+        stored member: once every byte has been read, the completing read failing.
         """
         if self._member_bytes is not None:
             data = self._read_checked_member(eid, offset, size, total)
@@ -640,11 +643,22 @@ class ExtentReader:
                 return data
         start = self.index.offset[eid]
         # checked=False: the C path must not serve other members from an unverified piece.
-        if self._verified[eid] == VERIFIED or total > self.whole_limit:
+        if self._verified[eid] == VERIFIED:
             return self._read_in_stream(start + offset, size, checked=False)
+        if total > self.whole_limit:
+            data = self._read_in_stream(start + offset, size, checked=False)
+            if not self._in_checked_extents(start, total):
+                self._track_crc(eid, offset, data, total)
+            return data
         whole = self._read_in_stream(start, total, checked=False)
         self._verify_crc(eid, whole)
         return _view(whole, offset, offset + size)
+
+    def _in_checked_extents(self, start: int, total: int) -> bool:
+        """Whether every extent of the stream range is checked whole before it is served (zstd frames)."""
+        stream = self.stream
+        assert stream is not None
+        return all(stream.verified_extent(key) for key, _, _ in stream.extents(start, total))
 
     def _read_checked_member(self, eid: int, offset: int, size: int, total: int) -> memoryview | None:
         """A member decoded only as far as its end, served once its own CRC checks (or None)."""

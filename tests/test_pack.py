@@ -142,6 +142,10 @@ def test_pack_refusals_and_errors_are_one_line(src: Path, tmp_path: Path) -> Non
         (("--frame-size", "1M", str(src), str(tmp_path / "o.zip")), b"--frame-size applies to .tar.zst"),
         (("--frame-size", "1M", str(src), str(tmp_path / "o.tar")), b"--frame-size applies to .tar.zst"),
         ((str(src), str(tmp_path / "missing-dir" / "o.tar")), b"o.tar: cannot write"),
+        # Larger frames cannot be decoded whole by any mount (1G was taken).
+        (("--frame-size", "65M", str(src), str(tmp_path / "o.tar.zst")), b"between 4K and 64M"),
+        # Taken for a local path before: with a folder ./s3:/bkt it even "packed ... into s3://bkt/o".
+        ((str(src), "s3://bkt/o.tar.zst"), b"pack writes a local file"),
     ):
         res = run_cli("pack", "-q", *args)
         err = res.stderr.decode().strip()

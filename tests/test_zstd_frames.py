@@ -842,6 +842,61 @@ def test_frames_too_large_for_one_decode_still_check_member_crcs(
         assert exc.value.errno == errno.EIO
 
 
+@pytest.mark.fuse
+def test_members_too_large_to_gather_from_pieces_are_crc_checked_once_read(
+    both_paths: str, tmp_path: Path, mnt: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A packed member larger than a quarter of the cache, in a frame served in pieces: its pieces
+    were served unchecked for ever (the frame continues past it, so reading it never reached the
+    frame checksum): every read of a flipped byte gave wrong bytes, and no error ever came. Now its
+    CRC is checked once all its bytes have been read (the rule for large stored ZIP members)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = random.Random(2)
+    files = {"a_big.bin": rng.randbytes(6 << 20), "b_after.bin": rng.randbytes(6 << 20)}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    archive = cdmlfs_pack(src, tmp_path / "big-member.tar.zst", "--frame-size", "16M")
+    blob = bytearray(archive.read_bytes())
+    at = blob.find(files["a_big.bin"][3_000_000:3_000_064])  # random bytes: stored verbatim
+    assert at > 0
+    blob[at + 10] ^= 0xFF
+    archive.write_bytes(bytes(blob))
+    chunk = 1 << 20
+    with (
+        caplog.at_level(logging.WARNING),
+        Archive(str(archive), index_dir=str(tmp_path / "idx"), cache_size=16 << 20) as ar,
+    ):
+        # Written by cdmlfs pack: the advice is a larger cache, not "convert it with cdmlfs pack".
+        assert "a cache of 52 MiB or more" in caplog.text and "CRC-checked only once" in caplog.text
+        assert "cdmlfs pack" not in caplog.text
+        assert ar.reader.whole_limit < len(files["a_big.bin"])
+        offsets = list(range(0, len(files["a_big.bin"]), chunk))
+        rng.shuffle(offsets)
+        for k, offset in enumerate(offsets):
+            want = files["a_big.bin"][offset : offset + chunk]
+            if k < len(offsets) - 1:  # served before the CRC can be known (documented)
+                ar.read("a_big.bin", offset, chunk)
+                continue
+            with pytest.raises(CorruptMemberError, match="CRC"):  # the read that completes the member
+                ar.read("a_big.bin", offset, chunk)
+        for offset in offsets[:2]:  # and every read after it, wherever
+            with pytest.raises(CorruptMemberError):
+                ar.read("a_big.bin", offset, 4096)
+        assert want  # the last chunk exists
+    with mounted(archive, mnt, "--index-dir", str(tmp_path / "idx2"), "--cache-size", "16M"):
+        with pytest.raises(OSError) as exc:
+            (mnt / "a_big.bin").read_bytes()
+        assert exc.value.errno == errno.EIO
+        with pytest.raises(OSError) as exc:
+            (mnt / "a_big.bin").read_bytes()
+        assert exc.value.errno == errno.EIO
+        try:  # its pieces reach the end of the damaged frame, whose checksum fails: EIO, or its bytes
+            assert (mnt / "b_after.bin").read_bytes() == files["b_after.bin"]
+        except OSError as err:
+            assert err.errno == errno.EIO
+
+
 SERVE_WITH_A_WRONG_CRC = r"""
 import sys
 from cdmlfs.archive import Archive

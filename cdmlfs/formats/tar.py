@@ -489,6 +489,7 @@ class TarFormat:
         if compressed:
             members, frames = self._open_zstd(progress)
             self.stream: ZstdStream | RawStream = ZstdStream(source, frames, source.identity.location)
+            self.stream.packed = self.index_source == "embedded"
         else:
             members = self._open_tar(progress)
             self.stream = RawStream(source)

@@ -288,6 +288,7 @@ class ZstdStream:
         self.restarts = 0  # forward decoders started at a frame's beginning
         self.prefetched = 0  # extents decoded ahead of the reader
         self.decode_ahead = PREFETCH_ENV == "1"  # see warm_up
+        self.packed = False  # written by cdmlfs pack (its member index embedded): repacking is no advice
         self._closed = False
 
     def _in_this_process(self) -> None:
@@ -338,14 +339,24 @@ class ZstdStream:
             self._spare_size = largest
             self._frames = self._new_frame_worker()
         big = [s for s in self.frames.dec_size if s > self.whole_max]
-        if big and cache is not None and len(self.frames) > 1 and max(big) <= PACK_FRAME_MAX:
-            # Already cut in frames of the size cdmlfs pack writes: converting would change nothing;
-            # a cache that holds a few of them would (a decode may take up to a quarter of it).
+        if (
+            big
+            and cache is not None
+            and (self.packed or (len(self.frames) > 1 and max(big) <= PACK_FRAME_MAX))
+        ):
+            # Already cut in frames of the size cdmlfs pack writes (or written by it): converting would
+            # change nothing; a cache that holds a few of them would (a decode may take up to a quarter).
             mib = -(-max(big) >> 20)  # rounded up
+            unchecked = (
+                f", and a member over {human_bytes(self.whole_max)} in them is CRC-checked only once "
+                "all its bytes have been read"
+                if self.packed
+                else ""
+            )
             log.warning(
                 "%s: zstd frames of up to %d MiB do not fit this cache (%s): random reads will decode "
-                "from the start of their frame; a cache of %d MiB or more reads them whole",
-                self.label, mib, human_bytes(cache.limit), 4 * mib,
+                "from the start of their frame%s; a cache of %d MiB or more reads them whole",
+                self.label, mib, human_bytes(cache.limit), unchecked, 4 * mib,
             )  # fmt: skip
         elif big:
             log.warning(
