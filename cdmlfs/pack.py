@@ -118,10 +118,13 @@ class PackEntry(NamedTuple):
 class _FileChunks:
     """The bytes of a file listed with ``size`` and (device, inode) ``ident``: call it for them.
 
-    Its header is already written when it is read, so a file that changed since
-    it was listed keeps that size (zeros where it has no bytes; a file that grew
-    is cut there), with a warning, and ``changed`` names it (the pack then exits
-    1, as GNU tar does); so does one whose ctime moved while it was read. It is opened
+    Just before its header is written, :meth:`restat` takes the file as it is then
+    (:func:`_as_they_are_now`): a file removed since the listing is left out, one
+    replaced is packed as the new file, and a pack that takes hours does not pack
+    files as they were when it started. Its header is written when it is read, so
+    a file that changes after that keeps that size (zeros where it has no bytes; a
+    file that grew is cut there), with a warning, and ``changed`` names it (the pack
+    then exits 1, as GNU tar does); so does one whose ctime moved while it was read. It is opened
     without following links and without blocking: a file replaced by a symlink
     would otherwise put the link target's bytes (any file on the machine) in the
     archive, and one replaced by a FIFO would hang the pack.
@@ -146,13 +149,44 @@ class _FileChunks:
     def path(self) -> str:
         return os.path.join(self.root, self.rel)
 
+    def _note_changed(self) -> None:
+        """Name this file in ``changed`` once (a file that changed and then shrank was counted twice)."""
+        if not self.changed or self.changed[-1] != self.path:
+            self.changed.append(self.path)
+
+    def restat(self) -> os.stat_result | None:
+        """The file now (its header is written next), or None when it is no longer there to pack."""
+        try:
+            st = os.lstat(self.path)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR):  # EACCES...: stops the pack, naming it
+                raise
+            st = None
+        if st is None or not statmod.S_ISREG(st.st_mode):
+            how = "removed" if st is None else "replaced by a non-file"
+            log.warning("%s: %s since it was listed: not packed", self.path, how)
+            self._note_changed()
+            return None
+        self.size = st.st_size
+        self.ident = (st.st_dev, st.st_ino)
+        self.ctime_ns = st.st_ctime_ns
+        return st
+
     def _lost(self, n: int, why: str, *args) -> Iterator[bytes]:
         """The member keeps its announced size: ``n`` zero bytes, warned about and counted."""
         log.warning(f"%s: {why}: packed as %d zero bytes", self.path, *args, n)
-        self.changed.append(self.path)
+        self._note_changed()
         yield from tar_stream.zeros(n)
 
     def __call__(self) -> Iterator[bytes]:
+        try:
+            yield from self._chunks()
+        except OSError as exc:  # EIO from a damaged disk (or a cdmlfs mount): say which file
+            if exc.filename is None:
+                raise OSError(exc.errno, exc.strerror, self.path) from exc
+            raise
+
+    def _chunks(self) -> Iterator[bytes]:
         path, size = self.path, self.size
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -170,7 +204,7 @@ class _FileChunks:
             if self.ctime_ns and st.st_ctime_ns != self.ctime_ns:
                 # Rewritten between the listing and now: its header has the listed mtime (and size).
                 log.warning("%s: changed since it was listed (file changed as we read it)", path)
-                self.changed.append(path)
+                self._note_changed()
                 st = None  # said once: no second warning after the read
             if not size:  # nothing to read, but it may have grown since it was listed
                 self._check_unchanged(f, st)
@@ -194,10 +228,10 @@ class _FileChunks:
         after = os.fstat(f.fileno())
         if after.st_size > self.size or f.read(1):
             log.warning("%s: grew while being packed: packed its first %d bytes", self.path, self.size)
-            self.changed.append(self.path)
+            self._note_changed()
         elif after.st_ctime_ns != before.st_ctime_ns:
             log.warning("%s: changed while being packed (file changed as we read it)", self.path)
-            self.changed.append(self.path)
+            self._note_changed()
 
 
 def _sorted_entries(path: str, changed: list[str] | None = None) -> Iterator[os.DirEntry]:
@@ -279,8 +313,49 @@ def entries_from_directory(
     return out
 
 
-def entries_from_archive(archive) -> list[PackEntry]:
-    """Members of an opened :class:`~cdmlfs.archive.Archive`: directories, files in archive order, links."""
+def _as_they_are_now(entries: Iterable[PackEntry]) -> Iterator[PackEntry]:
+    """A directory listing's files as they are when their turn comes, as GNU tar takes them.
+
+    The listing is made before anything is written (for the progress total); a pack
+    can take hours. A file removed since is left out (it was packed as zeros of its
+    listed size), one replaced is packed as the new file with its own size and times.
+    A hard link whose first name went is packed as the file in its place.
+    """
+    stand_in: dict[str, str | None] = {}  # first name gone -> the link packed as the file instead
+    for entry in entries:
+        first = entry.name
+        if entry.kind == HARDLINK and entry.link in stand_in:
+            first = entry.link
+            if stand_in[first] is not None:
+                yield entry._replace(link=stand_in[first])
+                continue
+            entry = entry._replace(kind=FILE, link="")
+        chunks = entry.read
+        if isinstance(chunks, _FileChunks) and entry.kind in (FILE, HARDLINK):
+            st = chunks.restat()
+            if st is None:
+                stand_in.setdefault(first, None)
+                continue
+            if first != entry.name:
+                stand_in[first] = entry.name
+            mode = statmod.S_IMODE(st.st_mode)
+            entry = entry._replace(size=st.st_size, mode=mode, mtime=st.st_mtime)
+            entry = entry._replace(uid=st.st_uid, gid=st.st_gid)
+        yield entry
+
+
+def entries_from_archive(archive, dirs_last: bool = True) -> list[PackEntry]:
+    """Members of an opened :class:`~cdmlfs.archive.Archive`: files in archive order, links, directories.
+
+    Files go in the source's order (one forward pass over it). For a tar, directories go last,
+    each before its parent: written first, ``tar -x`` (not root) applied a read-only directory's
+    mode once it moved on to the next directory, then could not create the files that came later
+    in it, and every file written into a directory after its entry moved the mtime it had set.
+    Last, each one's mode and mtime are set once everything in it is there (tar takes an existing
+    directory's metadata from its entry by default, ``--overwrite-dir``). ``unzip`` sets the
+    metadata of the directories it creates once it is done, and ignores entries of existing ones:
+    a ZIP lists them first (``dirs_last=False``).
+    """
     index = archive.index
     reader = archive.reader
 
@@ -297,6 +372,7 @@ def entries_from_archive(archive) -> list[PackEntry]:
         return chunks
 
     out: list[PackEntry] = []
+    dirs: list[PackEntry] = []
     links: list[PackEntry] = []
     # Hard links whose target's path now names another entry (a later duplicate replaced it, as
     # `tar -r` appends do): the first such link carries the data as a file, the others link to it.
@@ -306,7 +382,7 @@ def entries_from_archive(archive) -> list[PackEntry]:
         kind = index.kind[eid]
         path = index.paths[eid]
         if kind == DIR:
-            out.append(PackEntry(path, DIR, index.mode[eid], index.mtime[eid]))
+            dirs.append(PackEntry(path, DIR, index.mode[eid], index.mtime[eid]))
         elif kind == SYMLINK:
             links.append(
                 PackEntry(path, SYMLINK, index.mode[eid], index.mtime[eid], link=reader.readlink(eid))
@@ -340,7 +416,9 @@ def entries_from_archive(archive) -> list[PackEntry]:
                 index.paths[eid], FILE, index.mode[eid], index.mtime[eid], size, read=member_chunks(eid, size)
             )
         )
-    return out + carriers + links
+    if not dirs_last:
+        return dirs + out + carriers + links
+    return out + carriers + links + dirs[::-1]  # the walk gives parents first
 
 
 STDIN = "-"  # pack's source name for a tar stream on standard input
@@ -569,7 +647,8 @@ def _zip_info(entry: PackEntry, level: int) -> zipfile.ZipInfo:
     return info
 
 
-def write_zip(entries: list[PackEntry], f, level: int, progress: Progress | None, total: int) -> None:
+def check_zip_names(entries: list[PackEntry]) -> None:
+    """Refuse, before anything is written, names a ZIP cannot hold as they are."""
     for entry in entries:
         try:
             encoded = entry.name.encode("utf-8")
@@ -591,6 +670,10 @@ def write_zip(entries: list[PackEntry], f, level: int, progress: Progress | None
                 f"{entry.name[:60]}...: a path of {len(encoded):,} bytes; a ZIP name holds at most "
                 "65,535: pack to .tar.zst"
             )
+
+
+def write_zip(entries: Iterable[PackEntry], f, level: int, progress: Progress | None, total: int) -> None:
+    """The ZIP of ``entries`` (names checked by :func:`check_zip_names`) into ``f``."""
     done = 0
     last_report = 0.0
     with zipfile.ZipFile(f, "w", allowZip64=True) as zf:
@@ -762,7 +845,9 @@ def pack(
         else:
             remote = "://" in src  # an archive URI (s3://...): opened like any archive
             if not remote and not os.path.exists(src):
-                raise UsageError(f"{src}: no such file or directory")
+                loop = os.path.islink(src) and _errno_of(os.stat, src) == errno.ELOOP
+                why = "too many levels of symbolic links" if loop else "no such file or directory"
+                raise UsageError(f"{src}: {why}")
             if not remote and os.path.exists(out) and os.path.samefile(src, out):
                 raise UsageError("the output would overwrite the source")
             if remote or not os.path.isdir(src):
@@ -795,6 +880,14 @@ def pack(
             source.close()
         # A pack that failed may leave the read-ahead thread blocked in a read of the pipe: its
         # descriptor stays open (closed, its number could be reused and read by that thread).
+
+
+def _errno_of(call: Callable, *args) -> int | None:
+    try:
+        call(*args)
+    except OSError as exc:
+        return exc.errno
+    return None
 
 
 def _is_pipe(path: str) -> bool:
@@ -880,19 +973,21 @@ def _pack(
         elif os.path.isdir(src):
             # An output inside the directory (overwritten with --force) is not packed into itself.
             skip = os.path.join(os.path.realpath(src), _inside(src, out))
-            entries = listed = entries_from_directory(src, skip=skip, changed=changed)
+            listed = entries_from_directory(src, skip=skip, changed=changed)
+            entries = _as_they_are_now(listed)
             total = _bytes_to_write(listed, kind)
         else:
             from cdmlfs.archive import Archive
 
             archive = Archive(src, cache_size=256 << 20, **archive_options)
-            entries = listed = entries_from_archive(archive)
+            entries = listed = entries_from_archive(archive, dirs_last=kind != "zip")
             total = _bytes_to_write(listed, kind)
         started = time.monotonic()
         f, tmp = _create_partial(out)
         try:
             with f:
                 if kind == "zip":
+                    check_zip_names(listed)
                     write_zip(entries, f, DEFAULT_DEFLATE_LEVEL if level is None else level, progress, total)
                     frames = 0
                 else:

@@ -1100,3 +1100,126 @@ def test_zip_progress_counts_the_copies_hard_links_become(tmp_path: Path) -> Non
     seen: list[tuple[int, int]] = []
     pack(str(src), str(tmp_path / "o.zip"), progress=lambda done, total: seen.append((done, total)))
     assert seen[-1] == (900_000, 900_000)
+
+
+def test_files_are_packed_as_they_are_when_their_turn_comes(tmp_path: Path) -> None:
+    """The whole tree was listed before anything was written, and each header came from that
+    listing: a file removed meanwhile became zeros of its old size (GNU tar leaves it out), one
+    replaced by rename was packed as zeros too, and a hard link whose first name went pointed at
+    nothing. The listing's window was the whole pack, which can take hours."""
+    import tarfile
+
+    from cdmlfs.pack import _as_they_are_now, _PlainTarSink, entries_from_directory, write_tar
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "gone.txt").write_bytes(b"g" * 100)
+    (src / "renamed_over.txt").write_bytes(b"old")
+    (src / "touched.txt").write_bytes(b"t" * 10)
+    (src / "a_first").write_bytes(b"linked bytes")
+    os.link(src / "a_first", src / "b_link")
+    os.link(src / "a_first", src / "c_link")
+    changed: list[str] = []
+    listed = entries_from_directory(str(src), changed=changed)
+    # What happens to a tree while a long pack works through it:
+    (src / "gone.txt").unlink()
+    (src / "new.tmp").write_bytes(b"new and longer content")
+    os.replace(src / "new.tmp", src / "renamed_over.txt")
+    os.utime(src / "touched.txt", (1_000_000_000, 1_000_000_000))
+    (src / "a_first").unlink()
+    out = tmp_path / "o.tar"
+    with open(out, "wb") as f:
+        write_tar(_as_they_are_now(listed), _PlainTarSink(f), None, None)
+    with tarfile.open(out) as tf:
+        names = tf.getnames()
+        assert "gone.txt" not in names and "a_first" not in names
+        assert tf.extractfile("renamed_over.txt").read() == b"new and longer content"
+        assert tf.getmember("touched.txt").mtime == 1_000_000_000
+        assert tf.getmember("b_link").isfile() and tf.extractfile("b_link").read() == b"linked bytes"
+        link = tf.getmember("c_link")
+        assert link.islnk() and link.linkname == "b_link"
+    assert changed == [str(src / "a_first"), str(src / "gone.txt")]  # said once each (exit 1)
+    unpacked = tmp_path / "x"
+    unpacked.mkdir()
+    subprocess.run(["tar", "-xf", str(out), "-C", str(unpacked)], check=True)
+    assert (unpacked / "c_link").read_bytes() == b"linked bytes"
+    assert os.stat(unpacked / "c_link").st_ino == os.stat(unpacked / "b_link").st_ino
+
+
+def test_a_file_that_shrinks_is_counted_once(tmp_path: Path) -> None:
+    """Truncated after its header was written: warned as changed and as shrunk, counted twice
+    ("2 files changed while being packed" for one file)."""
+    from cdmlfs.pack import _as_they_are_now, entries_from_directory
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"x" * 5000)
+    changed: list[str] = []
+    (entry,) = list(_as_they_are_now(entries_from_directory(str(src), changed=changed)))
+    chunks = entry.read()
+    os.truncate(src / "f", 10)  # after its header, before its bytes
+    assert b"".join(chunks) == b"x" * 10 + bytes(4990)
+    assert changed == [str(src / "f")]
+
+
+@pytest.mark.fuse
+def test_a_read_error_names_the_file(tmp_path: Path, mnt: Path) -> None:
+    """EIO from a damaged member (here a cdmlfs mount of a corrupt ZIP) stopped the pack with
+    "cdmlfs: Input/output error" and no file named."""
+    from archives import stored_zip_with_a_flipped_byte
+
+    archive = tmp_path / "bad.zip"
+    stored_zip_with_a_flipped_byte(archive, "broken.bin", 1 << 16)
+    with mounted(archive, mnt):
+        res = run_cli("pack", "-q", str(mnt), str(tmp_path / "o.tar.zst"))
+    err = res.stderr.decode().strip().splitlines()
+    assert res.returncode == 1 and err[-1] == f"cdmlfs: Input/output error: {mnt / 'broken.bin'}", err
+    assert not (tmp_path / "o.tar.zst").exists()
+
+
+def test_a_symlink_loop_source_says_so(tmp_path: Path) -> None:
+    os.symlink("b", tmp_path / "a")
+    os.symlink("a", tmp_path / "b")
+    res = run_cli("pack", str(tmp_path / "a"), str(tmp_path / "o.tar.zst"))
+    assert res.returncode == 2 and "too many levels of symbolic links" in res.stderr.decode()
+
+
+def test_a_converted_archive_extracts_with_plain_tar_not_as_root(tmp_path: Path) -> None:
+    """Converting wrote every directory first: tar -x (not root) set a read-only directory's mode
+    when it moved on to the next one, then could not create the files that came later in it
+    ("Cannot open: Permission denied", files lost); and files written after a directory's entry
+    moved the mtime it had set."""
+    import shutil
+    import subprocess
+
+    src = tmp_path / "s"
+    for d in ("a_ro/deeper", "a_ro/empty", "b"):
+        (src / d).mkdir(parents=True)
+    (src / "a_ro/f").write_text("f")
+    (src / "a_ro/deeper/h").write_text("h")
+    (src / "b/g").write_text("g")
+    os.symlink("f", src / "a_ro/lnk")
+    for d, when in (("a_ro/deeper", 1_000_000_000), ("a_ro/empty", 1_100_000_000), ("a_ro", 900_000_000)):
+        os.chmod(src / d, 0o555)
+        os.utime(src / d, (when, when), follow_symlinks=False)
+    source_tar = tmp_path / "s.tar"
+    subprocess.run(["tar", "cf", str(source_tar), "-C", str(src), "."], check=True)
+    converted = cdmlfs_pack(source_tar, tmp_path / "conv.tar.zst")
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="cdmlfs-untar-", dir="/tmp"))  # pytest's tmp is root-only (0700)
+    shutil.chown(out, "nobody")
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    with open(converted, "rb") as archive:  # opened as root, read by tar as nobody
+        untar = [*nobody, "tar", "--zstd", "-xf", "-", "-C", str(out)]
+        res = subprocess.run(untar, stdin=archive, capture_output=True)
+    try:
+        assert res.returncode == 0, res.stderr
+        for rel in ("a_ro/f", "a_ro/deeper/h", "b/g"):
+            assert (out / rel).read_text() == (src / rel).read_text()
+        for d in ("a_ro", "a_ro/deeper", "a_ro/empty", "b"):
+            got, want = os.stat(out / d), os.stat(src / d)
+            assert (got.st_mode, int(got.st_mtime)) == (want.st_mode, int(want.st_mtime)), d
+    finally:
+        subprocess.run(["chmod", "-R", "u+w", str(out), str(src)], check=False)
+        shutil.rmtree(out, ignore_errors=True)
