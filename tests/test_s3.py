@@ -106,6 +106,14 @@ def test_uri_parsing() -> None:
     for bad in (f"s3://{ap}", f"s3://{ap}/", f"s3://{ap}/dir/"):
         with pytest.raises(UsageError, match="an object, not a prefix"):
             parse_s3_uri(bad)
+    # Both were told "credentials in the URI are not supported".
+    with pytest.raises(UsageError, match="a bucket ARN is not taken; name the bucket"):
+        parse_s3_uri("s3://arn:aws:s3:::bkt/a.zip")
+    with pytest.raises(UsageError, match="--endpoint-url http://minio:9000 and name the bucket"):
+        parse_s3_uri("s3://minio:9000/bkt/a.zip")
+    with pytest.raises(UsageError) as info:  # a secret that looks like a port is still never echoed
+        parse_s3_uri("s3://AKID:123@bkt/key.zip")
+    assert "123" not in str(info.value) and "credentials" in str(info.value)
 
 
 def test_zip_on_moto_equals_local_and_opens_with_one_request(moto_s3, proxy_to, tmp_path: Path) -> None:
@@ -138,8 +146,10 @@ def test_open_errors_are_one_line_usage_or_source_errors(moto_s3, proxy_to, tmp_
     proxy.inject("403", 2)  # the suffix and the head requests
     with pytest.raises(SourceError, match="access denied"):
         Archive("s3://errs/x.zip", endpoint_url=proxy.url)
-    with pytest.raises(UsageError, match="profile"):
+    with pytest.raises(UsageError, match="profile 'no-such-profile' not found"):
         Archive("s3://errs/x.zip", endpoint_url=moto_s3.url, profile="no-such-profile")
+    with pytest.raises(UsageError, match="profile '' not found"):  # was "AWS profile None not found"
+        Archive("s3://errs/x.zip", endpoint_url=moto_s3.url, profile="")
 
 
 def test_no_sign_request_sends_anonymous_requests(moto_s3, proxy_to, tmp_path: Path) -> None:
@@ -767,6 +777,10 @@ def test_presigned_urls_never_reach_messages_or_logs(
         assert secret not in text, text
     assert hide_signature("GET http://h/b/k?X-Amz-Algorithm=A&X-Amz-Signature=f00 done") == (
         "GET http://h/b/k?<signed query hidden> done"
+    )
+    # urllib3's "Failed to parse headers (url=...): [Defect]" lost its "):" with the query.
+    assert hide_signature("(url=http://h/b/k?X-Amz-Credential=a%2Fb&X-Amz-Signature=f0): [D]") == (
+        "(url=http://h/b/k?<signed query hidden>): [D]"
     )
 
 

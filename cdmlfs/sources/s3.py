@@ -101,6 +101,7 @@ class _GaveUp(SourceError):
 
 # An access point ARN stands where a bucket name goes, as in the AWS CLI: its resource part ends
 # with the access point's name (Outposts: outpost/ID/accesspoint/NAME), and the key follows.
+_HOST_PORT = re.compile(r"^[A-Za-z0-9.-]+:\d{1,5}$")  # s3://minio:9000/...: an endpoint, no secret
 _ACCESS_POINT_ARN = re.compile(
     r"^(arn:[a-z-]+:s3(?:-object-lambda|-outposts)?:[a-z0-9-]*:\d{12}:"
     r"(?:outpost/[A-Za-z0-9-]+/)?accesspoint/[A-Za-z0-9.-]+)(?:/(.*))?$"
@@ -122,6 +123,16 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     if not sep or not key or key.endswith("/"):
         raise UsageError(f"{uri}: an S3 archive must be named s3://BUCKET/KEY (an object, not a prefix)")
     if not _BUCKET.match(bucket):
+        if rest.startswith("arn:") and "@" not in bucket:  # an ARN holds no secret: name what is wrong
+            raise UsageError(
+                f"{uri}: a bucket ARN is not taken; name the bucket (s3://BUCKET/KEY) or an access "
+                "point (s3://arn:aws:s3:REGION:ACCOUNT:accesspoint/NAME/KEY)"
+            )
+        if _HOST_PORT.match(bucket):
+            raise UsageError(
+                f"{uri}: s3://HOST:PORT/... is not an S3 URI; give the endpoint with "
+                f"--endpoint-url http://{bucket} and name the bucket: s3://BUCKET/KEY"
+            )
         if ":" in bucket or "@" in bucket:  # never echo it: s3://KEY_ID:SECRET@bucket/... was tried
             raise UsageError("invalid bucket name in S3 URI (credentials in the URI are not supported)")
         raise UsageError(
@@ -293,7 +304,9 @@ class S3Object:
         try:
             self._session = _shared_session(boto3, self._profile, self._region)
         except ProfileNotFound:
-            name = self._profile or os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE")
+            name = self._profile
+            if name is None:
+                name = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE")
             raise UsageError(f"AWS profile {name!r} not found") from None
         except BotoCoreError as exc:  # a malformed ~/.aws/config or credentials file, say
             raise UsageError(f"AWS configuration: {_redact(str(exc))}") from None

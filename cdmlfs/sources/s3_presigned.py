@@ -45,7 +45,10 @@ _PARAMS = {"Range": "Range", "IfMatch": "If-Match"}  # get_object parameters sen
 _MEANINGFUL_4XX = frozenset({404, 408, 412, 416, 429})
 
 _CODE = re.compile(rb"<Code>([^<]{1,100})</Code>")
-_SIGNED_QUERY = re.compile(r"\?[^\s\"'<>]*(?:X-Amz-|AWSAccessKeyId=|Signature=)[^\s\"'<>]*")
+# A presigned query is percent-encoded (botocore quotes all but -_.~): it ends at the first other
+# character, so "(url=...?X-Amz-...): [Defect]" keeps its "): [Defect]".
+_QUERY_CHARS = r"[A-Za-z0-9%&=._~+/:-]*"
+_SIGNED_QUERY = re.compile(rf"\?{_QUERY_CHARS}(?:X-Amz-|AWSAccessKeyId=|Signature=){_QUERY_CHARS}")
 SDK_LOGGER_PREFIXES = ("botocore", "boto3", "urllib3", "s3transfer")
 
 
