@@ -377,8 +377,10 @@ def mount_daemon(
 ) -> int:
     """Fork a daemon that serves ``archive``; return an exit code once the mount answers (or fails).
 
-    Interrupted while waiting (Ctrl-C, SIGTERM), or timed out, it stops the
-    daemon and removes the mount: a command that did not succeed leaves nothing.
+    Interrupted while waiting (Ctrl-C, SIGTERM, SIGHUP from a closed terminal), or timed
+    out, it stops the daemon and removes the mount: a command that did not succeed leaves
+    nothing (a SIGHUP killed the command outright and left a daemon finishing its mount).
+    A signal the caller ignores (``nohup``) stays ignored.
     ``close_fds``: descriptors the caller was given (see :func:`inherited_fds`), closed in the daemon.
     """
     log_start = os.path.getsize(log_file) if os.path.exists(log_file) else 0
@@ -411,7 +413,11 @@ def mount_daemon(
     os.close(wfd)
     if opts.lock_fd is not None:  # the daemon holds the mount point lock until its mount answers
         os.close(opts.lock_fd)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous = {
+        sig: signal.signal(sig, _raise_interrupt)
+        for sig in (signal.SIGTERM, signal.SIGHUP)
+        if signal.getsignal(sig) is not signal.SIG_IGN
+    }
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
         waited = _wait_ready(rfd, pid)
@@ -421,7 +427,8 @@ def mount_daemon(
         _abandon(pid, opts.mountpoint)
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         os.close(rfd)
     if ok:
         if verbose:
@@ -437,7 +444,7 @@ def mount_daemon(
     return 1
 
 
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

@@ -515,10 +515,11 @@ def test_umount_of_a_mount_with_another_inside_names_it(tmp_path: Path, mnt: Pat
 
 
 def test_mount_interrupted_after_the_fork_leaves_nothing(tmp_path: Path, mnt: Path) -> None:
-    """Ctrl-C (or SIGTERM) while ``cdmlfs mount`` waits for its daemon: the daemon and the mount
-    stayed. Whenever the signal lands, a command that did not succeed leaves nothing behind."""
+    """Ctrl-C (or SIGTERM, or SIGHUP from a closed terminal) while ``cdmlfs mount`` waits for its
+    daemon: the daemon and the mount stayed. Whenever the signal lands, a command that did not
+    succeed leaves nothing behind."""
     good = python_zip(tmp_path / "good.zip", sample_files())
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         proc = subprocess.Popen(
             [sys.executable, "-m", "cdmlfs", "mount", str(good), str(mnt)], stderr=subprocess.PIPE
         )
