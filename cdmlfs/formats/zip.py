@@ -137,6 +137,11 @@ class ZipFormat:
                 last = (tail_start + pos, rec)
             pos -= 1
         if last is None:
+            if self.source.read_at(0, 4) == b"PK\x03\x04":  # it starts as a ZIP: the end is missing
+                raise ArchiveFormatError(
+                    "a ZIP archive cut short: no end-of-central-directory record "
+                    "(an incomplete download or copy?)"
+                )
             raise ArchiveFormatError("not a ZIP archive (no end-of-central-directory record)")
         # A comment cut short (a truncated download of the comment only): zipfile and unzip read
         # such archives; the central directory checks that follow still validate the record.
