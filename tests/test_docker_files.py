@@ -78,7 +78,7 @@ def compose_problems(doc: dict) -> list[str]:
         problems.append("cdmlfs: /dev/fuse is not passed in (devices)")
     if "SYS_ADMIN" not in (side.get("cap_add") or []):
         problems.append("cdmlfs: cap_add SYS_ADMIN is missing")
-    if not any(re.fullmatch(r"apparmor[:=]unconfined", s) for s in side.get("security_opt") or []):
+    if not any(s == "apparmor=unconfined" for s in side.get("security_opt") or []):  # ":" is deprecated
         problems.append("cdmlfs: security_opt apparmor:unconfined is missing")
 
     env = env_of(side)
@@ -244,6 +244,10 @@ def k8s_problems(docs: list[dict]) -> list[str]:
             problems.append("no main container mounts the shared volume with HostToContainer")
     if spec.get("restartPolicy") not in ("Never", "OnFailure") and any(d.get("kind") == "Job" for d in docs):
         problems.append("a Job's pod needs restartPolicy Never or OnFailure")
+    job = next((d for d in docs if d.get("kind") == "Job"), None)
+    if job is not None and not job["spec"].get("activeDeadlineSeconds"):
+        # A sidecar that can never mount is restarted for ever: the pod never fails, the Job never ends.
+        problems.append("the Job has no activeDeadlineSeconds")
     return problems
 
 
@@ -257,6 +261,10 @@ def _k8s_side(docs: list[dict]) -> dict:
 
 def _k8s_trainer(docs: list[dict]) -> dict:
     return _pod_spec(docs)["containers"][0]
+
+
+def _job(docs: list[dict]) -> dict:
+    return next(d for d in docs if d["kind"] == "Job")
 
 
 def _set_env(container: dict, name: str, value: str) -> None:
@@ -275,6 +283,7 @@ K8S_BREAKS: dict[str, Callable[[list[dict]], None]] = {
     "sidecar not Bidirectional": lambda d: _k8s_side(d)["volumeMounts"][0].pop("mountPropagation"),
     "trainer not HostToContainer": lambda d: _k8s_trainer(d)["volumeMounts"][0].pop("mountPropagation"),
     "no startupProbe": lambda d: _k8s_side(d).pop("startupProbe"),
+    "no Job deadline": lambda d: _job(d)["spec"].pop("activeDeadlineSeconds"),
     "mount on the volume root": lambda d: _set_env(_k8s_side(d), "CDMLFS_MOUNTPOINT", "/mnt"),
     "no S3 credentials": lambda d: _k8s_side(d).update(
         env=[e for e in _k8s_side(d)["env"] if not e["name"].startswith("AWS_")]
@@ -351,6 +360,7 @@ def test_dockerfile_stages_and_contents() -> None:
     # Entrypoint and healthcheck come from docker/ and are wired up in exec form.
     copies = [v for i, v in final if i == "COPY"]
     assert any("docker/entrypoint.sh /usr/local/bin/cdmlfs-entrypoint" in c for c in copies)
+    assert not any("--chmod" in c for c in copies)  # BuildKit only: the legacy builder refuses it
     assert any(f"docker/healthcheck.sh /usr/local/bin/{HEALTH}" in c for c in copies)
     assert [json.loads(v) for i, v in final if i == "ENTRYPOINT"] == [["cdmlfs-entrypoint"]]
     health = [v for i, v in final if i == "HEALTHCHECK"]
