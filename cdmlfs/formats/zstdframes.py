@@ -40,6 +40,10 @@ page) before answering: 4–5 ms. Two things cut that down:
   fresh pages in the reader's time. A frame evicted from the cache gives its
   mapping straight back to the kernel, so the cache bound is also an RSS bound
   (a partial frame let go lends it to the next frame, within its reservation).
+  Not huge pages: ``MADV_HUGEPAGE`` made populating a 4 MiB spare 8x cheaper here
+  (1.36 -> 0.17 ms), but with THP defrag at "madvise" the faulting thread compacts
+  memory itself, and first reads stalled (medians of 4.8-8.9 ms in some rounds, for
+  spares only as for every buffer; measured 2026-12-02).
 
 Memory: every partial frame and the spare hold a cache reservation for their
 bytes (:meth:`cdmlfs.cache.ExtentCache.hold`); a finished frame is committed in
