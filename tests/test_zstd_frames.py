@@ -806,24 +806,32 @@ def test_mount_serves_reads_across_many_frames_in_c(
         assert fast["read_fast"] >= len(paths) // 2, fast
 
 
+def _packed_16m_frames_with_a_flipped_byte(
+    tmp_path: Path, files: dict[str, bytes], victim: str, at: int
+) -> Path:
+    """``files`` packed with 16 MiB frames, one byte of ``victim`` flipped about offset ``at``."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    archive = cdmlfs_pack(src, tmp_path / "big-frames.tar.zst", "--frame-size", "16M")
+    blob = bytearray(archive.read_bytes())
+    pos = blob.find(files[victim][at : at + 64])  # random bytes: stored verbatim
+    assert pos > 0
+    blob[pos + 10] ^= 0xFF
+    archive.write_bytes(bytes(blob))
+    return archive
+
+
 @pytest.mark.fuse
 def test_frames_too_large_for_one_decode_still_check_member_crcs(
     both_paths: str, tmp_path: Path, mnt: Path
 ) -> None:
     """16 MiB frames and a 16 MiB cache: frames are served in pieces, before their checksum can be
     checked. A flipped byte in a raw block of one member is then caught by that member's own CRC."""
-    src = tmp_path / "src"
-    src.mkdir()
     rng = random.Random(1)
     files = {f"f{i}.bin": rng.randbytes(3 << 20) for i in range(3)}
-    for name, data in files.items():
-        (src / name).write_bytes(data)
-    archive = cdmlfs_pack(src, tmp_path / "big-frames.tar.zst", "--frame-size", "16M")
-    blob = bytearray(archive.read_bytes())
-    at = blob.find(files["f1.bin"][1_000_000:1_000_064])  # random bytes: stored verbatim
-    assert at > 0
-    blob[at + 10] ^= 0xFF
-    archive.write_bytes(bytes(blob))
+    archive = _packed_16m_frames_with_a_flipped_byte(tmp_path, files, "f1.bin", 1_000_000)
     with Archive(str(archive), index_dir=str(tmp_path / "idx"), cache_size=16 << 20) as ar:
         assert ar.read("f0.bin") == files["f0.bin"]
         for _ in range(2):
@@ -850,18 +858,9 @@ def test_members_too_large_to_gather_from_pieces_are_crc_checked_once_read(
     were served unchecked for ever (the frame continues past it, so reading it never reached the
     frame checksum): every read of a flipped byte gave wrong bytes, and no error ever came. Now its
     CRC is checked once all its bytes have been read (the rule for large stored ZIP members)."""
-    src = tmp_path / "src"
-    src.mkdir()
     rng = random.Random(2)
     files = {"a_big.bin": rng.randbytes(6 << 20), "b_after.bin": rng.randbytes(6 << 20)}
-    for name, data in files.items():
-        (src / name).write_bytes(data)
-    archive = cdmlfs_pack(src, tmp_path / "big-member.tar.zst", "--frame-size", "16M")
-    blob = bytearray(archive.read_bytes())
-    at = blob.find(files["a_big.bin"][3_000_000:3_000_064])  # random bytes: stored verbatim
-    assert at > 0
-    blob[at + 10] ^= 0xFF
-    archive.write_bytes(bytes(blob))
+    archive = _packed_16m_frames_with_a_flipped_byte(tmp_path, files, "a_big.bin", 3_000_000)
     chunk = 1 << 20
     with (
         caplog.at_level(logging.WARNING),
