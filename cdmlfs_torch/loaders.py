@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 from typing import Any, BinaryIO
 
 from cdmlfs_torch import handles
@@ -101,4 +102,13 @@ def tensor_loader(path: str | os.PathLike) -> Any:
         return torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1).contiguous()
 
 
-default_loader = pil_loader
+def default_loader(path: str | os.PathLike) -> Any:
+    """torchvision's ``default_loader``: PIL, or accimage for local files when torchvision's image
+    backend is set to it (``torchvision.set_image_backend("accimage")``); accimage reads only paths
+    on disk, so archive samples always go through PIL."""
+    tv = sys.modules.get("torchvision")  # set_image_backend is only ever called after importing it
+    if tv is not None and tv.get_image_backend() == "accimage" and split_sample_path(path) is None:
+        from torchvision.datasets.folder import accimage_loader
+
+        return accimage_loader(os.fspath(path))
+    return pil_loader(path)

@@ -939,3 +939,29 @@ def test_repr_follows_repr_indent(trees: dict[str, Path]) -> None:
 
     root = str(trees["extracted"])
     assert repr(Wide(root)).replace("Wide", "X") == repr(TheirWide(root)).replace("TheirWide", "X")
+
+
+def test_default_loader_follows_torchvisions_image_backend(trees: dict[str, Path]) -> None:
+    """torchvision.set_image_backend("accimage") was ignored: ImageFolder's default loader uses
+    accimage for files on disk, ours always PIL. Archive samples stay with PIL (accimage reads
+    only paths on disk)."""
+    from torchvision.datasets.folder import default_loader as theirs_loader
+
+    local = next(str(p) for p in sorted(trees["extracted"].rglob("*.jpg")))
+    inner = f"{trees['zip']}::train/{os.path.relpath(local, trees['extracted'])}"
+    previous = torchvision.get_image_backend()
+    torchvision.set_image_backend("accimage")
+    try:
+        try:
+            import accimage  # noqa: F401
+        except ImportError:  # not installed here: both loaders fail the same way on a local file
+            with pytest.raises(ImportError, match="accimage"):
+                theirs_loader(local)
+            with pytest.raises(ImportError, match="accimage"):
+                default_loader(local)
+        else:
+            assert type(default_loader(local)) is type(theirs_loader(local))
+        assert default_loader(inner).size == Image.open(local).size  # from the archive: PIL
+    finally:
+        torchvision.set_image_backend(previous)
+    assert np.array_equal(np.array(default_loader(inner)), np.array(theirs_loader(local)))
