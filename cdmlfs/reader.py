@@ -44,6 +44,7 @@ from cdmlfs.errors import (
     CorruptMemberError,
     EncryptedMemberError,
     MemberError,
+    SourceError,
     UnsupportedMethodError,
 )
 from cdmlfs.index import DEFLATE, ENCRYPTED, IN_STREAM, INCONSISTENT, MEMBER_CRC, SPARSE, STORED, Index
@@ -223,8 +224,9 @@ class ExtentReader:
                 self._stored_into(eid, self.fmt.data_offset(eid) + offset, out[:n])
                 if state != VERIFIED:
                     self._track_crc(eid, offset, out[:n], total)
-            except MemberError as exc:
-                if exc.member is None:
+            except (MemberError, SourceError) as exc:
+                self._raise_if_closed_meanwhile(exc)
+                if isinstance(exc, MemberError) and exc.member is None:
                     exc.member = ix.paths[eid]
                 raise
             return n
@@ -305,6 +307,7 @@ class ExtentReader:
                 f"compression method {decoders.method_name(method)} is not supported"
             )
         except CorruptMemberError as exc:
+            self._raise_if_closed_meanwhile(exc)
             # Damage does not heal: every later read fails at once, with the same reason, instead
             # of decoding the member again (a multi-GiB deflated one for seconds, each time).
             if self._verified[eid] != CORRUPT:
@@ -312,10 +315,17 @@ class ExtentReader:
             if exc.member is None:
                 exc.member = ix.paths[eid]
             raise
-        except MemberError as exc:
-            if exc.member is None:
+        except (MemberError, SourceError) as exc:
+            self._raise_if_closed_meanwhile(exc)
+            if isinstance(exc, MemberError) and exc.member is None:
                 exc.member = ix.paths[eid]
             raise
+
+    def _raise_if_closed_meanwhile(self, exc: Exception) -> None:
+        """A read the archive was closed under fails as one after it does, not as damage: its
+        descriptor reads /dev/null by then (LocalFile.close), so it looked truncated or corrupt."""
+        if self._closed:
+            raise ValueError("I/O operation on a closed archive") from exc
 
     def readlink(self, eid: int) -> str:
         target = self.index.link_target.get(eid)

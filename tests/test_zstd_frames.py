@@ -599,7 +599,9 @@ def test_close_that_gives_up_on_a_busy_reader_still_frees_its_frame(
     ar.close()
     t.join(10)
     assert not t.is_alive()
-    assert len(failed) == 1 and isinstance(failed[0], SourceError), failed
+    # As a read after close() fails (the reason, "the archive was closed", is its cause).
+    assert len(failed) == 1 and isinstance(failed[0], ValueError), failed
+    assert isinstance(failed[0].__cause__, SourceError), failed[0].__cause__
     assert ar.cache.reserved == 0
 
 

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
+from collections import deque
 
+from cdmlfs import forksafe
 from cdmlfs.errors import ArchiveNotFoundError, SourceError, UsageError
 from cdmlfs.sources.base import SourceIdentity
+
+RETIRED_MAX = 64  # descriptor numbers of closed files kept pointing at /dev/null (see LocalFile.close)
 
 
 class LocalFile:
@@ -63,6 +68,8 @@ class LocalFile:
         return _identity(self.path, st, st.st_size if stat.S_ISREG(st.st_mode) else self.size)
 
     def read_at(self, offset: int, length: int) -> bytes:
+        if self._fd < 0:
+            raise SourceError(f"{self.path}: the archive was closed")
         if offset < 0 or length < 0 or offset + length > self.size:
             raise SourceError(
                 f"{self.path}: read of {length} bytes at {offset} is outside the file ({self.size} bytes)"
@@ -80,16 +87,60 @@ class LocalFile:
             if got == length:
                 return b"".join((*parts, data)) if parts else data
             if not data:
+                if self._fd < 0:  # closed during the read: its descriptor now reads /dev/null
+                    raise SourceError(f"{self.path}: the archive was closed")
                 raise SourceError(f"{self.path}: file is shorter than when it was opened")
             parts.append(data)
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Close the file, without freeing its descriptor number under a read in flight.
+
+        Readers in other threads (and the C paths, which are given the number) may be
+        between taking the number and their pread. Freed at once, the next ``open()``
+        anywhere in the process got it, and such a read returned that file's bytes as
+        the member's. So the number is pointed at /dev/null instead (a read in flight
+        sees end of file and fails) and freed only after ``RETIRED_MAX`` later closes.
+        """
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            _retired.add(fd)
 
     def __repr__(self) -> str:
         return f"LocalFile({self.path!r}, size={self.size})"
+
+
+class _RetiredDescriptors:
+    """Descriptor numbers of closed archives, each a /dev/null reader until enough closes follow."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fds: deque[int] = deque()
+        forksafe.register(self)
+
+    def add(self, fd: int) -> None:
+        try:
+            null = os.open(os.devnull, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:  # out of descriptors: free the number as before rather than fail the close
+            os.close(fd)
+            return
+        try:
+            os.dup2(null, fd, inheritable=False)  # one step: the number is never free meanwhile
+        except OSError:
+            os.close(fd)
+            return
+        finally:
+            os.close(null)
+        with self._lock:
+            self._fds.append(fd)
+            expired = [self._fds.popleft() for _ in range(len(self._fds) - RETIRED_MAX)]
+        for old in expired:
+            os.close(old)
+
+    def _after_fork_child(self) -> None:
+        self._lock = threading.Lock()  # a thread of the parent may have held it at the fork
+
+
+_retired = _RetiredDescriptors()
 
 
 def _identity(path: str, st: os.stat_result, size: int) -> SourceIdentity:
