@@ -957,3 +957,35 @@ def test_c_path_refuses_a_member_whose_own_crc_failed(
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_without_a_frame_worker_large_frames_are_not_read_whole_first(tmp_path: Path) -> None:
+    """A cache too small for the frame worker (under 8 frames): each frame's compressed bytes were
+    read whole into memory outside the cache before decoding (16 MiB frames of incompressible
+    data, a 64 MiB cache: 39 MB of daemon RSS past the cache), and the decoded frame was a second
+    Python object. The native decoder reads them in 256 KiB pieces straight into the frame's buffer."""
+    import tracemalloc
+
+    if not zstdframes.NATIVE:
+        pytest.skip("needs the C frame decoder")
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = random.Random(3)
+    files = {f"f{i}.bin": rng.randbytes(5 << 20) for i in range(6)}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    archive = cdmlfs_pack(src, tmp_path / "p.tar.zst", "--frame-size", "16M")
+    with Archive(str(archive), index_dir=str(tmp_path / "idx"), cache_size=64 << 20) as ar:
+        stream = ar.format.stream
+        assert stream._frames is None and max(stream.frames.dec_size) > 8 << 20  # no worker: the path
+        tracemalloc.start()
+        try:
+            for name in ("f0.bin", "f4.bin"):
+                assert ar.read(name, 1 << 20, 4096) == files[name][1 << 20 : (1 << 20) + 4096]
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert stream.frame_decodes >= 2
+        assert peak < 2 << 20, peak  # was the whole compressed frame and the decoded one: > 16 MiB
+        for name, data in files.items():  # and the bytes are right, checksums checked
+            assert ar.read(name) == data

@@ -160,7 +160,7 @@ class _Decode:
 class _NativeDecode(_Decode):
     """cdmlfs._zstdframe: libzstd decodes straight into the buffer (GIL released, pread included)."""
 
-    def __init__(self, span: FrameSpan, buffer, worker: FrameWorker) -> None:
+    def __init__(self, span: FrameSpan, buffer, worker: Decoders) -> None:
         self._span = span
         self._source = worker.source
         self._fd = worker.fd
@@ -213,7 +213,7 @@ class _NativeDecode(_Decode):
 class _PyDecode(_Decode):
     """python-zstandard's stream reader (decodes via its own window buffer, then copies)."""
 
-    def __init__(self, span: FrameSpan, buffer, worker: FrameWorker) -> None:
+    def __init__(self, span: FrameSpan, buffer, worker: Decoders) -> None:
         self._span = span
         self._worker = worker
         self._view = memoryview(buffer)
@@ -385,7 +385,63 @@ class PartialFrame:
             self.lock.release()
 
 
-class FrameWorker:
+class Decoders:
+    """A stream's reusable frame decoders, the source they read, and whether its archive closed.
+
+    What a decode (:class:`_NativeDecode`, :class:`_PyDecode`) needs. The frame worker
+    is one; a stream without a worker (a cache too small for one) keeps one for frames
+    whose compressed bytes are large: read whole before decoding, those were held outside
+    the cache (16 MiB frames of incompressible data, a 64 MiB cache: 39 MB of RSS past
+    the cache), where the decoder reads them in ``FD_CHUNK`` pieces as it goes.
+    """
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+        self.fd = source.fileno() if hasattr(source, "fileno") else None  # None: read through the source
+        self._lock = threading.Lock()
+        self._decoders: list = []
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """No decode reads past its current step from now on (the file is about to close)."""
+        with self._lock:
+            self._closed = True
+            self._decoders.clear()
+
+    def native_decoder(self):
+        with self._lock:
+            if self._decoders:
+                return self._decoders.pop()
+        return NativeFrameDecoder(MAX_WINDOW_LOG)
+
+    def give_back(self, dec) -> None:
+        with self._lock:
+            if len(self._decoders) <= MAX_PARTIAL:
+                self._decoders.append(dec)
+
+    def decoder_for(self, span: FrameSpan, buffer) -> _Decode:
+        if NATIVE:
+            return _NativeDecode(span, buffer, self)
+        return _PyDecode(span, buffer, self)
+
+    def decode_whole_frame(self, span: FrameSpan, buf: mmap.mmap) -> mmap.mmap:
+        """``span`` decoded whole into ``buf`` (closed if that fails), checksum included."""
+        dec = self.decoder_for(span, buf)
+        try:
+            dec.advance(span.size)
+        except BaseException:
+            dec.close()
+            buf.close()
+            raise
+        dec.close()
+        return buf
+
+
+class FrameWorker(Decoders):
     """Per zstd stream: frame decodes into mappings, the frames finished in the background, the spare.
 
     ``span(i)`` (from the stream) checks frame ``i``'s sizes in the table and
@@ -404,6 +460,7 @@ class FrameWorker:
         finish: bool = True,
         frames: int = 0,
     ) -> None:
+        super().__init__(source)
         self.finish = finish
         # Kept partial: when each frame was last started, counted in frames started (the cache
         # would have evicted it after about ``capacity`` of them).
@@ -411,10 +468,7 @@ class FrameWorker:
         self._starts = 0
         self.cache = cache
         self.spare_size = spare_size
-        self.source = source
-        self.fd = source.fileno() if hasattr(source, "fileno") else None  # None: read through the source
         self._span = span
-        self._lock = threading.Lock()
         self._partial: OrderedDict[int, PartialFrame] = OrderedDict()  # least recently read first
         self._queue: queue.Queue[PartialFrame | None] = queue.Queue()
         self._spares: list[tuple[mmap.mmap, Reservation]] = []
@@ -424,18 +478,12 @@ class FrameWorker:
         self.max_spares = max(1, min(MAX_SPARES, cache.limit // (16 * spare_size)))
         # Frames the cache keeps besides the ones in flight and the spares (see _comes_back).
         self.capacity = max(1, cache.limit // max(spare_size, 1) - MAX_PARTIAL - self.max_spares)
-        self._decoders: list = []
         self._thread: threading.Thread | None = None
-        self._closed = False
         self.early_frames = 0  # frames whose first reader was answered before the frame was finished
         self.spares_used = 0
         self.partial_evictions = 0  # partial frames let go to make room for another (no finishing)
         self.finished_on_reuse = 0  # kept-partial frames finished because they came back soon
         self.buffers_recycled = 0  # buffers of frames let go, reused for the next frame
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -478,23 +526,6 @@ class FrameWorker:
             buf.close()
             room.release()
 
-    # -- decoders ------------------------------------------------------------
-    def native_decoder(self):
-        with self._lock:
-            if self._decoders:
-                return self._decoders.pop()
-        return NativeFrameDecoder(MAX_WINDOW_LOG)
-
-    def give_back(self, dec) -> None:
-        with self._lock:
-            if len(self._decoders) <= MAX_PARTIAL:
-                self._decoders.append(dec)
-
-    def _decode(self, span: FrameSpan, buffer) -> _Decode:
-        if NATIVE:
-            return _NativeDecode(span, buffer, self)
-        return _PyDecode(span, buffer, self)
-
     def decode_whole(self, i: int) -> mmap.mmap:
         """Frame ``i`` decoded whole into a mapping (finishing it if it is in flight)."""
         with self._lock:
@@ -514,13 +545,7 @@ class FrameWorker:
                 p.abandon()  # the caller caches the buffer under its own reservation
             return p.buffer
         span = self._span(i)
-        buf = self.buffer(span.size)
-        dec = self._decode(span, buf)
-        try:
-            dec.advance(span.size)
-        finally:
-            dec.close()
-        return buf
+        return self.decode_whole_frame(span, self.buffer(span.size))
 
     # -- buffers -------------------------------------------------------------
     def buffer(self, size: int, wake: bool = True) -> mmap.mmap:
@@ -596,7 +621,7 @@ class FrameWorker:
         try:
             span = self._span(i)
             buffer = self.buffer(size, wake=not recycling)
-            dec = self._decode(span, buffer)
+            dec = self.decoder_for(span, buffer)
         except MemberError as exc:
             room.release()
             self._drop(i, p)

@@ -307,6 +307,9 @@ class ZstdStream:
         self._worker: threading.Thread | None = None
         self._seen: Hashable | None = None
         self._frames = self._new_frame_worker()
+        # Without a worker: frames decoded by a native decoder that reads as it goes (see Decoders).
+        native = zstdframes.NATIVE and self._fd is not None
+        self._decoders = zstdframes.Decoders(self.source) if native else None
         self._sizes_checked: set[int] = set()  # frames decoded once to check the table's size
 
     def _new_frame_worker(self) -> zstdframes.FrameWorker | None:
@@ -487,6 +490,8 @@ class ZstdStream:
                 worker.join(zstdframes.CLOSE_WAIT)
         if self._frames is not None:
             self._frames.close()
+        if self._decoders is not None:
+            self._decoders.close()
 
     def verified_extent(self, key: Hashable) -> bool:
         """A whole frame was decoded to its end (its checksum checked when it has one); a piece
@@ -654,6 +659,12 @@ class ZstdStream:
         frames = self._frames
         if frames is not None and zstdframes.MIN_FRAME <= expected <= self.whole_max:
             data = frames.decode_whole(i)
+            self.frame_decodes += 1
+            return data
+        if self._decoders is not None and expected >= zstdframes.MIN_FRAME:
+            # Read whole first, the compressed bytes were held outside the cache, in a per-thread
+            # buffer kept for the next frame (up to SCRATCH_MAX) or a fresh one (see Decoders).
+            data = self._decoders.decode_whole_frame(self._frame_span(i), zstdframes.new_buffer(expected))
             self.frame_decodes += 1
             return data
         comp = self._read_compressed(fr.comp_offset[i], fr.comp_size[i])
