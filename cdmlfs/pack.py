@@ -332,12 +332,15 @@ def _as_they_are_now(entries: Iterable[PackEntry]) -> Iterator[PackEntry]:
             entry = entry._replace(kind=FILE, link="")
         chunks = entry.read
         if isinstance(chunks, _FileChunks) and entry.kind in (FILE, HARDLINK):
+            listed = chunks.ident
             st = chunks.restat()
             if st is None:
                 stand_in.setdefault(first, None)
                 continue
             if first != entry.name:
                 stand_in[first] = entry.name
+            elif (st.st_dev, st.st_ino) != listed:  # replaced (saved by rename): its links keep the
+                stand_in.setdefault(first, None)  # old bytes, so the first of them carries them
             mode = statmod.S_IMODE(st.st_mode)
             entry = entry._replace(size=st.st_size, mode=mode, mtime=st.st_mtime)
             entry = entry._replace(uid=st.st_uid, gid=st.st_gid)

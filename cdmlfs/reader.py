@@ -141,6 +141,7 @@ class ExtentReader:
         self._verified = bytearray(self.index.entry_count)
         self._corrupt: dict[int, str] = {}  # why a CORRUPT member failed
         self._crc_runs: dict[int, CrcCoverage] = {}  # large members read so far, before their CRC check
+        self._checked_whole: dict[int, bool] = {}  # large packed members: served from checked frames?
         self._forward: dict[int, _Forward] = {}
         self._build_locks: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
@@ -656,19 +657,27 @@ class ExtentReader:
         if self._verified[eid] == VERIFIED:
             return self._read_in_stream(start + offset, size, checked=False)
         if total > self.whole_limit:
-            data = self._read_in_stream(start + offset, size, checked=False)
-            if not self._in_checked_extents(start, total):
+            checked = self._in_checked_extents(eid, start, total)  # before the read: extents() moves
+            data = self._read_in_stream(start + offset, size, checked=False)  # the decode-ahead mark
+            if not checked:
                 self._track_crc(eid, offset, data, total)
             return data
         whole = self._read_in_stream(start, total, checked=False)
         self._verify_crc(eid, whole)
         return _view(whole, offset, offset + size)
 
-    def _in_checked_extents(self, start: int, total: int) -> bool:
-        """Whether every extent of the stream range is checked whole before it is served (zstd frames)."""
-        stream = self.stream
-        assert stream is not None
-        return all(stream.verified_extent(key) for key, _, _ in stream.extents(start, total))
+    def _in_checked_extents(self, eid: int, start: int, total: int) -> bool:
+        """Whether every extent of member ``eid`` is checked whole before it is served (zstd frames).
+
+        Asked once per member: a 10 GiB member is thousands of extents, and reads come 128 KiB
+        at a time."""
+        known = self._checked_whole.get(eid)
+        if known is None:
+            stream = self.stream
+            assert stream is not None
+            known = all(stream.verified_extent(key) for key, _, _ in stream.extents(start, total))
+            self._checked_whole[eid] = known
+        return known
 
     def _read_checked_member(self, eid: int, offset: int, size: int, total: int) -> memoryview | None:
         """A member decoded only as far as its end, served once its own CRC checks (or None)."""

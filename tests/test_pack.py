@@ -1119,6 +1119,8 @@ def test_files_are_packed_as_they_are_when_their_turn_comes(tmp_path: Path) -> N
     (src / "a_first").write_bytes(b"linked bytes")
     os.link(src / "a_first", src / "b_link")
     os.link(src / "a_first", src / "c_link")
+    (src / "x_saved").write_bytes(b"old bytes of x")  # hard-linked, then saved by an editor (rename)
+    os.link(src / "x_saved", src / "y_link")
     changed: list[str] = []
     listed = entries_from_directory(str(src), changed=changed)
     # What happens to a tree while a long pack works through it:
@@ -1127,6 +1129,8 @@ def test_files_are_packed_as_they_are_when_their_turn_comes(tmp_path: Path) -> N
     os.replace(src / "new.tmp", src / "renamed_over.txt")
     os.utime(src / "touched.txt", (1_000_000_000, 1_000_000_000))
     (src / "a_first").unlink()
+    (src / "x.tmp").write_bytes(b"new x")
+    os.replace(src / "x.tmp", src / "x_saved")
     out = tmp_path / "o.tar"
     with open(out, "wb") as f:
         write_tar(_as_they_are_now(listed), _PlainTarSink(f), None, None)
@@ -1138,6 +1142,9 @@ def test_files_are_packed_as_they_are_when_their_turn_comes(tmp_path: Path) -> N
         assert tf.getmember("b_link").isfile() and tf.extractfile("b_link").read() == b"linked bytes"
         link = tf.getmember("c_link")
         assert link.islnk() and link.linkname == "b_link"
+        # y_link kept the old inode: as a link to the new x_saved it read "new x" (no warning).
+        assert tf.extractfile("x_saved").read() == b"new x"
+        assert tf.getmember("y_link").isfile() and tf.extractfile("y_link").read() == b"old bytes of x"
     assert changed == [str(src / "a_first"), str(src / "gone.txt")]  # said once each (exit 1)
     unpacked = tmp_path / "x"
     unpacked.mkdir()

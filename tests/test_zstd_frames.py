@@ -989,3 +989,21 @@ def test_without_a_frame_worker_large_frames_are_not_read_whole_first(tmp_path: 
         assert peak < 2 << 20, peak  # was the whole compressed frame and the decoded one: > 16 MiB
         for name, data in files.items():  # and the bytes are right, checksums checked
             assert ar.read(name) == data
+
+
+def test_large_packed_members_in_pieces_are_still_decoded_ahead(tmp_path: Path) -> None:
+    """The check of whether a large packed member is served from checked frames listed all of its
+    extents on every read: that moved the stream's idea of where the reader was to the member's
+    end, so the piece after each read was never decoded ahead (and each read cost O(member))."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = random.Random(4).randbytes(48 << 20)
+    (src / "big.bin").write_bytes(data)
+    archive = cdmlfs_pack(src, tmp_path / "p.tar.zst", "--frame-size", "16M")
+    with Archive(str(archive), index_dir=str(tmp_path / "idx"), cache_size=32 << 20) as ar:
+        ar.warm_up(decode_ahead=True)
+        stream = ar.format.stream
+        chunk = 128 << 10
+        for offset in range(0, len(data), chunk):
+            assert ar.read("big.bin", offset, chunk) == data[offset : offset + chunk]
+        assert stream.prefetched > 0

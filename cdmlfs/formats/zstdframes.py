@@ -420,7 +420,7 @@ class Decoders:
 
     def give_back(self, dec) -> None:
         with self._lock:
-            if len(self._decoders) <= MAX_PARTIAL:
+            if len(self._decoders) <= MAX_PARTIAL and not self._closed:
                 self._decoders.append(dec)
 
     def decoder_for(self, span: FrameSpan, buffer) -> _Decode:
@@ -430,7 +430,11 @@ class Decoders:
 
     def decode_whole_frame(self, span: FrameSpan, buf: mmap.mmap) -> mmap.mmap:
         """``span`` decoded whole into ``buf`` (closed if that fails), checksum included."""
-        dec = self.decoder_for(span, buf)
+        try:
+            dec = self.decoder_for(span, buf)
+        except BaseException:
+            buf.close()
+            raise
         try:
             dec.advance(span.size)
         except BaseException:

@@ -101,9 +101,7 @@ class LocalFile:
         the member's. So the number is pointed at /dev/null instead (a read in flight
         sees end of file and fails) and freed only after ``RETIRED_MAX`` later closes.
         """
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            _retired.add(fd)
+        _retired.retire(self)
 
     def __repr__(self) -> str:
         return f"LocalFile({self.path!r}, size={self.size})"
@@ -117,7 +115,12 @@ class _RetiredDescriptors:
         self._fds: deque[int] = deque()
         forksafe.register(self)
 
-    def add(self, fd: int) -> None:
+    def retire(self, file: LocalFile) -> None:
+        """Take ``file``'s descriptor (once, whichever thread closes first) and keep its number."""
+        with self._lock:
+            fd, file._fd = file._fd, -1
+        if fd < 0:
+            return
         try:
             null = os.open(os.devnull, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError:  # out of descriptors: free the number as before rather than fail the close
