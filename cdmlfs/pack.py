@@ -847,10 +847,11 @@ def pack(
             where = src
         else:
             remote = "://" in src  # an archive URI (s3://...): opened like any archive
-            if not remote and not os.path.exists(src):
-                loop = os.path.islink(src) and _errno_of(os.stat, src) == errno.ELOOP
-                why = "too many levels of symbolic links" if loop else "no such file or directory"
-                raise UsageError(f"{src}: {why}")
+            if not remote:
+                try:  # what stat says: a symlink loop was reported as "no such file"
+                    os.stat(src)
+                except OSError as exc:
+                    raise UsageError(f"{src}: {(exc.strerror or 'cannot stat it').lower()}") from None
             if not remote and os.path.exists(out) and os.path.samefile(src, out):
                 raise UsageError("the output would overwrite the source")
             if remote or not os.path.isdir(src):
@@ -883,14 +884,6 @@ def pack(
             source.close()
         # A pack that failed may leave the read-ahead thread blocked in a read of the pipe: its
         # descriptor stays open (closed, its number could be reused and read by that thread).
-
-
-def _errno_of(call: Callable, *args) -> int | None:
-    try:
-        call(*args)
-    except OSError as exc:
-        return exc.errno
-    return None
 
 
 def _is_pipe(path: str) -> bool:

@@ -657,8 +657,9 @@ class ExtentReader:
         if self._verified[eid] == VERIFIED:
             return self._read_in_stream(start + offset, size, checked=False)
         if total > self.whole_limit:
-            checked = self._in_checked_extents(eid, start, total)  # before the read: extents() moves
-            data = self._read_in_stream(start + offset, size, checked=False)  # the decode-ahead mark
+            # Asked before the read: stream.extents() marks where the reader is, for decode-ahead.
+            checked = self._in_checked_extents(eid, start, total)
+            data = self._read_in_stream(start + offset, size, checked=False)
             if not checked:
                 self._track_crc(eid, offset, data, total)
             return data

@@ -389,10 +389,10 @@ class Decoders:
     """A stream's reusable frame decoders, the source they read, and whether its archive closed.
 
     What a decode (:class:`_NativeDecode`, :class:`_PyDecode`) needs. The frame worker
-    is one; a stream without a worker (a cache too small for one) keeps one for frames
-    whose compressed bytes are large: read whole before decoding, those were held outside
-    the cache (16 MiB frames of incompressible data, a 64 MiB cache: 39 MB of RSS past
-    the cache), where the decoder reads them in ``FD_CHUNK`` pieces as it goes.
+    is one; a local stream without a worker (a cache too small for one) keeps one for its
+    frames of ``MIN_FRAME`` and more: read whole before decoding, their compressed bytes
+    were held outside the cache (16 MiB frames of incompressible data, a 64 MiB cache:
+    39 MB of RSS past the cache), where the decoder reads them in ``FD_CHUNK`` pieces.
     """
 
     def __init__(self, source: Source) -> None:

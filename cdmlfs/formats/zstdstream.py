@@ -662,8 +662,7 @@ class ZstdStream:
             self.frame_decodes += 1
             return data
         if self._decoders is not None and expected >= zstdframes.MIN_FRAME:
-            # Read whole first, the compressed bytes were held outside the cache, in a per-thread
-            # buffer kept for the next frame (up to SCRATCH_MAX) or a fresh one (see Decoders).
+            # Not read whole first: that held the compressed bytes outside the cache (see Decoders).
             data = self._decoders.decode_whole_frame(self._frame_span(i), zstdframes.new_buffer(expected))
             self.frame_decodes += 1
             return data
