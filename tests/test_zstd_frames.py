@@ -794,18 +794,35 @@ def test_hot_extents_in_c_mirror_the_frames_the_cache_holds(packed: Path, src: P
 def test_mount_serves_reads_across_many_frames_in_c(
     packed: Path, src: Path, tmp_path: Path, mnt: Path
 ) -> None:
-    """Directory order jumps between frames (files of c0, c1, c2 alternate in the archive)."""
+    """Once frames are decoded, reads that jump between them are answered in C, each frame
+    going to Python at most once to be reported (one "last extent" would send most to Python).
+
+    The first pass warms the cache; how many of its reads reach C depends on timing (a read of
+    a frame still being decoded ahead is served in Python), so only the second is counted.
+    """
     with mounted(packed, mnt, "--index-dir", str(tmp_path / "idx")):
         paths = _source_paths(src)
         _read_all_through(mnt, src, paths)
+        before = mount_stats(mnt)["fast_path"]
+        if before is None:
+            pytest.skip("C fast path not active")
+        for path in paths:  # drop the kernel's copies so the next reads reach the daemon
+            fd = os.open(mnt / path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        # m00 (c0), m01 (c1), m02 (c2), ...: consecutive reads land in different frames
+        jumping = sorted(paths, key=lambda p: p.rsplit("/", 1)[1])
+        _read_all_through(mnt, src, jumping)
         stats = mount_stats(mnt)
         fast = stats["fast_path"]
-        if fast is None:
-            pytest.skip("C fast path not active")
         frames = stats["cache"]["extents"]
         assert 1 <= fast["hot_extents"] <= frames, fast
-        # Only reads that reach a frame before it is cached and reported go to Python.
-        assert fast["read_fast"] >= len(paths) // 2, fast
+        to_python = fast["read_fallback"] - before["read_fallback"]
+        in_c = fast["read_fast"] - before["read_fast"]
+        assert in_c + to_python >= len(paths), (before, fast)  # every file was read again
+        assert to_python <= frames, (before, fast)
 
 
 def _packed_16m_frames_with_a_flipped_byte(
