@@ -27,6 +27,7 @@ import stat
 import struct
 import tempfile
 import zlib
+from collections.abc import Callable
 
 import zstandard
 
@@ -45,6 +46,7 @@ MAGIC = b"CDMLFSIX"
 VERSION = 5
 HEADER = struct.Struct("<8sHHIQ")
 MAX_INDEX_FILE = 4 << 30
+HEAD_BYTES = 4096  # what decompress_bounded decodes before asking how long the whole is
 
 
 def default_index_dir() -> str:
@@ -53,27 +55,44 @@ def default_index_dir() -> str:
     return os.path.join(base, "cdmlfs", "index")
 
 
-def decompress_bounded(data: bytes, limit: int) -> bytes:
+def decompress_bounded(
+    data: bytes, limit: int, length_of: Callable[[bytes], int] | None = None
+) -> bytes | bytearray:
     """The first zstd frame of ``data`` decoded; ValueError if it is damaged or decodes to more
     than ``limit`` bytes.
 
+    ``length_of``, given the first few KB of the output, says how long the whole must be (a format
+    whose header states it): decoding stops there, so a forged header cannot make it run on.
+
     python-zstandard's ``decompress(max_output_size=N)`` reserves N bytes up front for a frame that
     does not state its size: with a limit of gigabytes that fails under an address-space limit or
-    strict overcommit (a MemoryError, not a rebuild). Such frames are read in pieces instead.
+    strict overcommit (a MemoryError, not a rebuild). Such frames are read in pieces instead, into
+    one buffer that is returned as it is (a copy at the end doubled the peak).
     """
     try:
         size = zstandard.frame_content_size(data)
         if size > limit:
             raise ValueError(f"it declares {size} bytes, more than {limit}")
-        if size >= 0:
-            return zstandard.ZstdDecompressor().decompress(data)
         reader = zstandard.ZstdDecompressor().stream_reader(data)
         out = bytearray()
-        while chunk := reader.read(1 << 20):
+        if length_of is not None:
+            while len(out) < HEAD_BYTES and (chunk := reader.read(HEAD_BYTES - len(out))):
+                out += chunk
+            expected = length_of(bytes(out))
+            if expected > limit or (size >= 0 and size != expected):
+                raise ValueError(f"it declares {expected} bytes, more than {limit} or not its frame's size")
+            limit = expected
+        if size >= 0 and not out:
+            return zstandard.ZstdDecompressor().decompress(data)
+        if len(out) > limit:
+            raise ValueError(f"it decodes to more than {limit} bytes")
+        while chunk := reader.read(min(1 << 20, limit + 1 - len(out))):
             out += chunk
             if len(out) > limit:
                 raise ValueError(f"it decodes to more than {limit} bytes")
-        return bytes(out)
+        if length_of is not None and len(out) != limit:
+            raise ValueError(f"it decodes to {len(out)} bytes, not the {limit} it declares")
+        return out
     except zstandard.ZstdError as exc:
         raise ValueError(f"undecodable ({exc})") from None
     except MemoryError:

@@ -1290,7 +1290,48 @@ def test_an_embedded_index_that_decodes_past_what_the_stream_can_hold_is_not_dec
     with caplog.at_level(logging.WARNING), Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
         assert ar.read("a.txt") == b"abc"  # scanned instead
     grew_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
-    assert "embedded index is unusable" in caplog.text and "decodes to more than" in caplog.text
+    assert "embedded index is unusable (member table header missing)" in caplog.text  # 4 KB decoded
+    assert grew_mib < 64, grew_mib
+
+
+@pytest.mark.parametrize("members", [0, 4_000_000])
+def test_an_embedded_index_is_not_decoded_past_its_own_header_or_a_sane_ratio(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, members: int
+) -> None:
+    """The limit above comes from the seek table's sizes, unchecked until frames are decoded: one
+    claiming 4 GiB let 16 KB of forged table decode to a gigabyte (twice that in memory). Now the
+    table's header line says how long it is (0 members: a few bytes; 4 million: 120 MB, from a
+    payload 1024x smaller than that can be), and decoding stops there."""
+    import json
+    import resource
+
+    from cdmlfs.formats.tar import EMBEDDED_INDEX_MAGIC, EMBEDDED_INDEX_NIBBLE
+    from cdmlfs.zstd_seekable import seek_table_frame, skippable_frame
+
+    tar = io.BytesIO()
+    with tarfile.open(fileobj=tar, mode="w") as tf:
+        info = tarfile.TarInfo("a.txt")
+        info.size = 3
+        tf.addfile(info, io.BytesIO(b"abc"))
+    data = tar.getvalue()
+    frame = zstandard.ZstdCompressor().compress(data)
+    table = {"v": 2, "n": members, "links": 0, "stream_size": 0xFFFFFFFF, "crc": 0, "names_bytes": 0,
+             "links_bytes": 0}  # fmt: skip
+    zeros = zstandard.ZstdCompressor(level=1).compressobj()
+    body = zeros.compress(json.dumps(table).encode() + b"\n")
+    body += b"".join([zeros.compress(bytes(1 << 20)) for _ in range(256)]) + zeros.flush()  # 256 MiB
+    header = json.dumps({"crc32": zlib.crc32(body), "length": len(body)}).encode()
+    index = skippable_frame(EMBEDDED_INDEX_MAGIC + struct.pack("<I", len(header)) + header + body,
+                            EMBEDDED_INDEX_NIBBLE)  # fmt: skip
+    archive = tmp_path / "bomb.tar.zst"
+    claims = 0xFFFFFFFF  # the seek table lies about the data frame: the stream-size limit is 4 GiB
+    archive.write_bytes(frame + index + seek_table_frame([(len(frame), claims), (len(index), 0)]))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with caplog.at_level(logging.WARNING), pytest.raises(ArchiveFormatError, match="decodes to"):
+        Archive(str(archive), index_dir=str(tmp_path / "idx"))  # scanned instead: the lie is found
+    grew_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    expected = "decodes to more than 102 bytes" if members == 0 else "it declares 108000108 bytes, more than"
+    assert "embedded index is unusable" in caplog.text and expected in caplog.text, caplog.text
     assert grew_mib < 64, grew_mib
 
 

@@ -631,6 +631,9 @@ def encode_embedded_index(members: MemberTable) -> bytes:
     return EMBEDDED_INDEX_MAGIC + struct.pack("<I", len(header)) + header + body
 
 
+EMBEDDED_INDEX_MAX_RATIO = 1024
+
+
 def decode_embedded_index(payload: bytes, stream_size: int = 1 << 40) -> MemberTable:
     """The member table of a packed archive whose tar stream is ``stream_size`` bytes.
 
@@ -654,4 +657,8 @@ def decode_embedded_index(payload: bytes, stream_size: int = 1 << 40) -> MemberT
     if len(body) != length or zlib.crc32(body) != crc:
         raise ValueError("checksum mismatch")
     limit = min(1 << 32, 64 * (stream_size // th.BLOCK + 1) + 6 * stream_size + (1 << 20))
-    return MemberTable.decode(decompress_bounded(body, limit))
+    # stream_size is the seek table's claim, not checked until frames are decoded: a 16 KB file
+    # claiming 4 GiB decoded a gigabyte of forged table. Tables that cdmlfs pack writes shrink
+    # 2-15x (CRCs and offsets barely compress); beyond 1024x the payload is not one of them.
+    limit = min(limit, EMBEDDED_INDEX_MAX_RATIO * len(body) + (1 << 20))
+    return MemberTable.decode(decompress_bounded(body, limit, MemberTable.encoded_length))

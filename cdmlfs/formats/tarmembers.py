@@ -180,9 +180,9 @@ class MemberTable:
         parts += [bytes(self.kind), names, link_text]
         return b"".join(parts)
 
-    @classmethod
-    def decode(cls, data: bytes | memoryview) -> MemberTable:
-        data = memoryview(data)
+    @staticmethod
+    def _header(data: memoryview) -> tuple[dict, int]:
+        """The JSON header line (checked) and where the columns start."""
         nl = bytes(data[:4096]).find(b"\n")
         if nl < 0:
             raise MemberTableError("member table header missing")
@@ -192,32 +192,62 @@ class MemberTable:
                 raise MemberTableError("member table header is not a JSON object")
             if header.get("v") not in READABLE_VERSIONS:
                 raise MemberTableError(f"member table version {header.get('v')} is not supported")
-            has_crc = header.get("crc", 0)
-            if has_crc not in (0, 1):
+            if header.get("crc", 0) not in (0, 1):
                 raise MemberTableError("bad member table header (crc flag)")
-            n = int(header["n"])
-            n_links = int(header["links"])
-            names_bytes = int(header["names_bytes"])
-            links_bytes = int(header["links_bytes"])
-            stream_size = int(header["stream_size"])
+            for key in ("n", "links", "names_bytes", "links_bytes", "stream_size"):
+                if int(header[key]) < 0:
+                    raise ValueError(key)
             n_sparse = int(header.get("sparse", 0))
             n_values = int(header.get("sparse_values", 0))
             if n_sparse < 0 or n_values < 0 or (n_sparse and header["v"] < SPARSE_ENCODING_VERSION):
                 raise ValueError("sparse counts")
-            ending = header.get("ending", "")
-            if not isinstance(ending, str):
+            if not isinstance(header.get("ending", ""), str):
                 raise ValueError("ending")
         except (ValueError, KeyError, TypeError, OverflowError) as exc:  # JSON allows Infinity
+            if isinstance(exc, MemberTableError):
+                raise
             raise MemberTableError(f"bad member table header ({exc})") from None
+        return header, nl + 1
+
+    @staticmethod
+    def _layout(header: dict) -> list[tuple[str, int]]:
+        """The columns after the header line: (array typecode, count) in order."""
+        n = int(header["n"])
+        layout = [("H", n), ("d", n), ("Q", n), ("Q", n), ("I", int(header["links"]))]
+        layout += [("I", n)] * header.get("crc", 0)
+        n_sparse = int(header.get("sparse", 0))
+        if n_sparse:
+            layout += [("I", n_sparse), ("I", n_sparse), ("Q", int(header.get("sparse_values", 0)))]
+        return layout
+
+    @classmethod
+    def encoded_length(cls, start: bytes | memoryview) -> int:
+        """How long the encoding that begins with ``start`` (its header line at least) must be.
+
+        Lets a decoder stop at that length: a forged table's payload cannot make it produce more.
+        """
+        header, pos = cls._header(memoryview(start))
+        cols = sum(count * array(typecode).itemsize for typecode, count in cls._layout(header))
+        return pos + cols + int(header["n"]) + int(header["names_bytes"]) + int(header["links_bytes"])
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> MemberTable:
+        data = memoryview(data)
+        header, pos = cls._header(data)
+        n = int(header["n"])
+        n_links = int(header["links"])
+        names_bytes = int(header["names_bytes"])
+        links_bytes = int(header["links_bytes"])
+        stream_size = int(header["stream_size"])
+        n_values = int(header.get("sparse_values", 0))
+        has_crc = header.get("crc", 0)
+        n_sparse = int(header.get("sparse", 0))
+        ending = header.get("ending", "")
         table = cls()
         table.stream_size = stream_size
         table.ending = ending
-        pos = nl + 1
         cols = []
-        layout = [("H", n), ("d", n), ("Q", n), ("Q", n), ("I", n_links)] + [("I", n)] * has_crc
-        if n_sparse:
-            layout += [("I", n_sparse), ("I", n_sparse), ("Q", n_values)]
-        for typecode, count in layout:
+        for typecode, count in cls._layout(header):
             col = array(typecode)
             nbytes = count * col.itemsize
             if pos + nbytes > len(data):
