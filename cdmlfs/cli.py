@@ -290,6 +290,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         quote = _quote_for_terminal if out.isatty() else str
         # By name, as ls sorts (a tar's folders list in archive order, as its mount's readdir does).
         rows = sorted(rows, key=lambda r: r.path.split("/"))  # a folder's contents right after it
+        unreadable = 0
         for r in rows:
             name = quote(r.path if args.recursive or not st.is_dir else r.path.rpartition("/")[2])
             if r.is_dir:
@@ -298,11 +299,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.mtime))
                 line = f"{_format_mode(r.mode)} {r.size:>12} {when} {prefix}{name}"
                 if r.is_symlink:
-                    line += f" -> {quote(archive.reader.readlink(archive.index.lookup(r.path)))}"
+                    try:
+                        line += f" -> {quote(archive.reader.readlink(archive.index.lookup(r.path)))}"
+                    except MemberError as exc:  # as GNU ls: said, listed without its target, and on
+                        out.flush()
+                        print(f"cdmlfs: cannot read symbolic link {_about(r.path, exc)}", file=sys.stderr)
+                        unreadable += 1
                 out.write(line + "\n")
             else:
                 out.write(prefix + name + "\n")
-    return 0
+    return 1 if unreadable else 0
 
 
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")

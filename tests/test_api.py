@@ -182,6 +182,25 @@ def test_cli_ls_marks_folders_alike_and_quotes_control_characters_on_a_terminal(
     assert "$'line\\x0abreak.txt'" in shown, shown
 
 
+def test_cli_ls_l_reports_an_unreadable_link_and_lists_the_rest(tmp_path: Path) -> None:
+    """A link whose target cannot be read stopped the listing there (entries after it were never
+    shown); GNU ls says so, lists the link without a target, goes on and exits 1."""
+    z = tmp_path / "links.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        zf.writestr("a.txt", b"a")
+        link = zipfile.ZipInfo("b-link")
+        link.create_system = 3
+        link.external_attr = 0o120777 << 16
+        zf.writestr(link, b"x" * 5000)  # longer than PATH_MAX: no link target can be
+        zf.writestr("c.txt", b"c")
+    res = run_cli("ls", "-l", str(z))
+    lines = res.stdout.decode().splitlines()
+    assert [line.rsplit(" ", 1)[1] for line in lines] == ["a.txt", "b-link", "c.txt"], lines
+    assert res.returncode == 1
+    why = "symlink target is 5000 bytes (more than 4096)"
+    assert res.stderr.decode() == f"cdmlfs: cannot read symbolic link b-link: {why}\n"
+
+
 def test_cli_ls_sorts_by_name_and_shows_a_link_to_a_folder_with_l_as_ls_does(tmp_path: Path) -> None:
     """A tar listed in archive order (ls sorts by name), and `ls -l dl` listed what dl points to."""
     import tarfile
