@@ -64,6 +64,14 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process: what its work cost, however busy the machine is
+    (wall time around a read also counts starting the reader and waiting for a core)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def read_pid(pid_file: Path) -> int | None:
     try:
         return int(pid_file.read_text().strip())

@@ -39,7 +39,7 @@ from pathlib import Path
 import psutil
 import pytest
 from archives import python_zip, sample_files
-from mountutil import force_unmount, is_mounted
+from mountutil import cpu_seconds, force_unmount, is_mounted
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
@@ -451,8 +451,14 @@ def test_a_daemon_busy_with_one_long_request_is_not_called_hung(topo: Topology, 
     sidecar = topo.start_sidecar(path)
     topo.wait_healthy(sidecar)
     assert int(topo.pid_file.read_text()) == sidecar.daemon_pid()
+    daemon = sidecar.daemon_pid()
+    idle = cpu_seconds(daemon)
     reader = topo.spawn_in(topo.trainer, "sh", "-c", f'tail -c 1 "{topo.mnt}/big.txt" >/dev/null')
-    time.sleep(0.2)  # its read is being served: one request decodes the member (2 s or more here)
+    # Its read is being served once the daemon spends CPU on it (one request decodes the member,
+    # 2 s or more here); a fixed sleep could probe before the request reached it.
+    deadline = time.monotonic() + 30
+    while cpu_seconds(daemon) < idle + 0.2 and time.monotonic() < deadline:
+        time.sleep(0.02)
     res = topo.healthcheck(topo.host, CDMLFS_HEALTH_TIMEOUT="0.5")  # decimals are fine
     assert res.returncode == 0 and "busy" in res.stdout, res.stdout + res.stderr
     assert reader.wait(120) == 0

@@ -756,7 +756,19 @@ def test_sigterm_while_standard_input_stalls_exits_at_once(src: Path, tmp_path: 
     assert proc.stdin is not None
     proc.stdin.write(gz.read_bytes()[: gz.stat().st_size // 2])
     proc.stdin.flush()  # and then nothing more: the pipe stays open, stalled
-    time.sleep(1.5)
+    # Signalled once the pack has read all of it (its handler is set before it reads): a fixed
+    # sleep was too short for a slow machine to start Python, and SIGTERM then killed it outright.
+    import array
+    import fcntl
+    import termios
+
+    waiting = array.array("i", [1])
+    deadline = time.monotonic() + 60
+    while waiting[0] and time.monotonic() < deadline:
+        fcntl.ioctl(proc.stdin.fileno(), termios.FIONREAD, waiting)  # bytes still in the pipe
+        time.sleep(0.05)
+    assert not waiting[0], "cdmlfs pack never read its input"
+    time.sleep(0.5)  # into its next read, which stalls
     proc.send_signal(signal.SIGTERM)
     t = time.monotonic()
     try:

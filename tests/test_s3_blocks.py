@@ -196,6 +196,15 @@ def test_failed_prefetch_fails_the_reads_that_waited_and_the_next_read_fetches_a
         time.sleep(0.005)
     waiting_on = next(sp.start for sp in list(layer._spans.values()) if sp.prefetch and sp.state == FETCHING)
     errors: list[BaseException] = []
+    planned = threading.Event()
+    real_collect = layer._collect
+
+    def collect(pieces, waiters):  # the read planned to wait for the prefetch, and is waiting
+        if any(span.start == waiting_on for span, _ in waiters):
+            planned.set()
+        return real_collect(pieces, waiters)
+
+    layer._collect = collect
 
     def reader() -> None:
         try:
@@ -205,7 +214,7 @@ def test_failed_prefetch_fails_the_reads_that_waited_and_the_next_read_fetches_a
 
     t = threading.Thread(target=reader)
     t.start()
-    time.sleep(0.1)  # the reader is waiting on the prefetch's future
+    assert planned.wait(10)  # opening the gate earlier would let the read plan a fetch of its own
     gate.set()
     t.join(10)
     assert len(errors) == 1 and "injected" in str(errors[0])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections import namedtuple
 
 import pytest
@@ -142,29 +141,51 @@ def test_bad_arguments() -> None:
         GPUPrefetchLoader(image_loader(), device="cpu", dtype=torch.int32)
 
 
+class Clock:
+    """A clock that moves only when told: the loader's metrics read it, the test says how long
+    each sample and each step take (real sleeps made the ratios hostage to a busy machine)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class Slow(Dataset):
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
     def __len__(self) -> int:
         return 6
 
     def __getitem__(self, i: int):
-        time.sleep(0.02)
+        self.clock.now += 0.02  # loading a sample takes 20 ms
         return torch.zeros(3, 2, 2, dtype=torch.uint8)
 
 
-def test_metrics_measure_consumer_waits() -> None:
-    loader = GPUPrefetchLoader(DataLoader(Slow(), batch_size=2), device="cpu")
+def test_metrics_measure_consumer_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cdmlfs_torch.metrics
+    import cdmlfs_torch.prefetch
+
+    clock = Clock()
+    for module in (cdmlfs_torch.metrics, cdmlfs_torch.prefetch):
+        monkeypatch.setattr(module, "time", type("FakeTime", (), {"perf_counter": staticmethod(clock)}))
+    loader = GPUPrefetchLoader(DataLoader(Slow(clock), batch_size=2), device="cpu")
     assert loader.metrics()["batches"] == 0
     for _ in loader:
-        time.sleep(0.01)  # "compute"
+        clock.now += 0.01  # "compute"
     m = loader.metrics()
-    assert m["batches"] == 3 and len(loader.wait_times) == 3
-    assert all(w >= 0.035 for w in loader.wait_times)  # two 20 ms samples per batch
-    assert 0.5 < m["wait_fraction"] < 1.0 and 0.5 < m["steady_wait_fraction"] < 1.0
-    assert m["elapsed_s"] >= m["wait_s"] + 0.025
-    assert abs(m["batches_per_s"] - 3 / m["elapsed_s"]) < 1e-9
-    assert m["wait_ms_max"] >= m["wait_ms_p50"] >= 35
-    for key in ("first_wait_s", "wait_ms_mean", "wait_ms_p95", "steady_batches_per_s"):
-        assert key in m
+    assert m["batches"] == 3 and loader.wait_times == pytest.approx([0.04] * 3)  # two samples each
+    # 3 waits of 40 ms and 3 steps of 10 ms; the steady state starts when the first batch is out.
+    assert m["elapsed_s"] == pytest.approx(0.15) and m["wait_s"] == pytest.approx(0.12)
+    assert m["wait_fraction"] == pytest.approx(0.8)
+    assert m["steady_wait_fraction"] == pytest.approx(0.08 / 0.11)
+    assert m["first_wait_s"] == pytest.approx(0.04)
+    assert m["batches_per_s"] == pytest.approx(3 / 0.15)
+    assert m["steady_batches_per_s"] == pytest.approx(3 / 0.11)
+    assert m["wait_ms_max"] == m["wait_ms_p50"] == m["wait_ms_p95"] == pytest.approx(40)
+    assert m["wait_ms_mean"] == pytest.approx(40)
     next(iter(loader))
     assert loader.metrics()["batches"] == 1  # a new pass starts new metrics
 

@@ -353,7 +353,9 @@ def test_remount_after_a_lazy_unmount_is_not_blocked(tmp_path: Path, mnt: Path) 
     only covers setting a mount up)."""
     good = python_zip(tmp_path / "good.zip", sample_files())
     pid_file = tmp_path / "first.pid"
+    started = time.monotonic()
     run_cli("mount", str(good), str(mnt), "--pid-file", str(pid_file), check=True)
+    baseline = time.monotonic() - started  # a mount on this machine now, however busy it is
     first = int(pid_file.read_text().split()[0])
     holder = open(mnt / next(iter(sample_files())), "rb")  # noqa: SIM115 - kept open on purpose
     try:
@@ -366,7 +368,7 @@ def test_remount_after_a_lazy_unmount_is_not_blocked(tmp_path: Path, mnt: Path) 
         assert alive(first)  # detached, still serving the open file
         started = time.monotonic()
         with mounted(good, mnt):
-            assert time.monotonic() - started < 4.0
+            assert time.monotonic() - started < baseline + 3.0
             assert sorted(os.listdir(mnt))
     finally:
         holder.close()

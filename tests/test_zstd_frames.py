@@ -573,9 +573,11 @@ def test_close_that_gives_up_on_a_busy_reader_still_frees_its_frame(
 
     class Slow(CountingSource):
         armed = False
+        stalled = threading.Event()
 
         def read_at(self, offset: int, length: int) -> bytes:
             if self.armed:
+                self.stalled.set()
                 time.sleep(0.3)  # a stalled request: close() gives up waiting for it
             return super().read_at(offset, length)
 
@@ -595,7 +597,7 @@ def test_close_that_gives_up_on_a_busy_reader_still_frees_its_frame(
     source.armed = True
     t = threading.Thread(target=read)
     t.start()
-    time.sleep(0.1)  # inside the frame's decode, waiting for its compressed bytes
+    assert source.stalled.wait(30)  # inside the frame's decode, waiting for its compressed bytes
     ar.close()
     t.join(10)
     assert not t.is_alive()
