@@ -433,6 +433,9 @@ class ExtentReader:
             if ck is None:
                 ix = self.index
                 size = ix.size[eid]
+                # An impossible declared size (4 EiB from 20 bytes) is corrupt: said before a
+                # warning of a long pass and a cache-size demand that only looked real.
+                inflate.check_sizes(ix.comp_size[eid], size)
                 started = time.monotonic()
                 if size >= SLOW_INDEX_SIZE:
                     # The pass blocks a single-threaded mount: say why it stops answering, and how
