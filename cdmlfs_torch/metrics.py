@@ -22,25 +22,35 @@ class LoaderMetrics:
         self.first_done = self.start
         self.end: float | None = None
         self.waits: list[float] = []
+        self.startup = 0.0  # starting the pass (the wrapped loader's workers): part of the first wait
+        self.end_wait = 0.0  # the call that found the pass over (workers shutting down)
+
+    def add_startup(self, seconds: float) -> None:
+        """Time spent starting the pass before the first ``next()``: the consumer waited for it."""
+        self.startup += seconds
 
     def add_wait(self, seconds: float) -> None:
         """Record one batch's wait; call it just before handing the batch out."""
+        if not self.waits:
+            seconds += self.startup
         self.waits.append(seconds)
         self.last = time.perf_counter()
         if len(self.waits) == 1:
             self.first_done = self.last
 
-    def finish(self) -> None:
-        """The pass ended (StopIteration): the last batch's consumption counts as elapsed time."""
+    def finish(self, waited: float = 0.0) -> None:
+        """The pass ended (StopIteration, after ``waited`` seconds in that call): the last batch's
+        consumption counts as elapsed time, the call that found the end as waiting."""
         if self.end is None:
             self.end = time.perf_counter()
+            self.end_wait = waited
 
     def as_dict(self) -> dict[str, Any]:
         waits = self.waits
         n = len(waits)
         stop = self.end if self.end is not None else self.last
         elapsed = max(stop - self.start, 1e-12)
-        total_wait = sum(waits)
+        total_wait = sum(waits) + self.end_wait
         out: dict[str, Any] = {
             "batches": n,
             "elapsed_s": elapsed if n else 0.0,

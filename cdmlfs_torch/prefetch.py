@@ -26,6 +26,7 @@ lists and dicts; other leaves pass through untouched.
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections import deque
@@ -220,7 +221,9 @@ class _PassThroughIterator:
     def __init__(self, owner: GPUPrefetchLoader, metrics: LoaderMetrics) -> None:
         self._owner = owner
         self._metrics = metrics
-        self._it = iter(owner.loader)
+        started = time.perf_counter()
+        self._it = iter(owner.loader)  # starts the workers: the consumer waits for that too
+        metrics.add_startup(time.perf_counter() - started)
         self._done = False
 
     def __iter__(self) -> _PassThroughIterator:
@@ -234,7 +237,7 @@ class _PassThroughIterator:
             batch = next(self._it)
         except StopIteration:
             self._done = True
-            self._metrics.finish()
+            self._metrics.finish(time.perf_counter() - t0)  # the workers' shutdown is waited for
             raise
         owner = self._owner
         owner._check_images(batch)
@@ -296,37 +299,44 @@ class _Ahead:
         return item
 
 
+def _issue_on_side_stream(
+    owner: GPUPrefetchLoader, side: torch.cuda.Stream, host: Any
+) -> tuple[Any, torch.cuda.Event, Any]:
+    """Queue the copy and normalisation of one host batch on the side stream."""
+    owner._check_images(host)
+    device = owner.device
+    # Tensors already on the GPU (decoded there) may still be being written by work queued on
+    # the consumer's stream: the side stream must not read them before it is done. Host
+    # tensors need no such wait, which would hold their copy behind the running step.
+    on_gpu = any(t.is_cuda for t in _tensors_in(host))
+    consumer = torch.cuda.current_stream(device)  # before the context makes the side stream current
+    with torch.cuda.stream(side):
+        if on_gpu:
+            side.wait_stream(consumer)
+        dev = map_tensors(host, lambda t: owner._convert(t, device))
+        ready = torch.cuda.Event()
+        ready.record(side)
+    return dev, ready, host
+
+
 class _CudaPrefetchIterator:
     """Keeps ``prefetch`` batches copying on a side stream ahead of the consumer."""
 
     def __init__(self, owner: GPUPrefetchLoader, metrics: LoaderMetrics) -> None:
         self._owner = owner
         self._metrics = metrics
-        self._stream = owner._side_stream()
+        started = time.perf_counter()
+        source = iter(owner.loader)  # starts the workers: the consumer waits for that too
+        metrics.add_startup(time.perf_counter() - started)
         # Items: (device batch, ready event, host batch kept alive until the copy is consumed).
-        self._ahead = _Ahead(iter(owner.loader), owner.prefetch, self._issue)
+        # The start function must not hold this iterator: a cycle kept the DataLoader's workers
+        # (and the batches in flight) alive after a `break` until a garbage collection.
+        issue = functools.partial(_issue_on_side_stream, owner, owner._side_stream())
+        self._ahead = _Ahead(source, owner.prefetch, issue)
         self._done = False
 
     def __iter__(self) -> _CudaPrefetchIterator:
         return self
-
-    def _issue(self, host: Any) -> tuple[Any, torch.cuda.Event, Any]:
-        """Queue the copy and normalisation of one host batch on the side stream."""
-        owner = self._owner
-        owner._check_images(host)
-        device = owner.device
-        # Tensors already on the GPU (decoded there) may still be being written by work queued on
-        # the consumer's stream: the side stream must not read them before it is done. Host
-        # tensors need no such wait, which would hold their copy behind the running step.
-        on_gpu = any(t.is_cuda for t in _tensors_in(host))
-        consumer = torch.cuda.current_stream(device)  # before the context makes the side stream current
-        with torch.cuda.stream(self._stream):
-            if on_gpu:
-                self._stream.wait_stream(consumer)
-            dev = map_tensors(host, lambda t: owner._convert(t, device))
-            ready = torch.cuda.Event()
-            ready.record(self._stream)
-        return dev, ready, host
 
     def __next__(self) -> Any:
         if self._done:
@@ -336,7 +346,7 @@ class _CudaPrefetchIterator:
             dev, ready, _host = self._ahead.next()
         except StopIteration:
             self._done = True
-            self._metrics.finish()
+            self._metrics.finish(time.perf_counter() - t0)  # the workers' shutdown is waited for
             raise
         consumer = torch.cuda.current_stream(self._owner.device)
         consumer.wait_event(ready)

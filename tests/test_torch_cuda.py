@@ -176,3 +176,22 @@ def test_archive_image_folder_end_to_end(tmp_path: Path) -> None:
     for (x, y), (xr, yr) in zip(gpu, base, strict=True):
         torch.testing.assert_close(x.cpu(), manual(xr), rtol=0, atol=1e-6)
         assert torch.equal(y.cpu(), yr)
+
+
+def test_breaking_out_of_a_pass_frees_the_loader_at_once() -> None:
+    """The iterator and its look-ahead formed a cycle: after ``break`` the DataLoader's iterator
+    (its workers, the batches in flight) lived on until a garbage collection."""
+    import gc
+    import weakref
+
+    base = DataLoader(TensorDataset(torch.zeros(64, 3, 4, 4, dtype=torch.uint8)), batch_size=4)
+    loader = GPUPrefetchLoader(base, mean=MEAN, std=STD)
+    gc.disable()
+    try:
+        it = iter(loader)
+        next(it)
+        source = weakref.ref(it._ahead._source)
+        del it
+        assert source() is None
+    finally:
+        gc.enable()

@@ -190,6 +190,86 @@ def test_metrics_measure_consumer_waits(monkeypatch: pytest.MonkeyPatch) -> None
     assert loader.metrics()["batches"] == 1  # a new pass starts new metrics
 
 
+class SlowToStart:
+    """A loader whose pass takes 0.5 s to start (workers spawning) and 0.1 s to end (joining them)."""
+
+    def __init__(self, clock: Clock, batches: int) -> None:
+        self.clock = clock
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def __iter__(self):
+        self.clock.now += 0.5
+        for _ in range(self.batches):
+            self.clock.now += 0.04
+            yield torch.zeros(2, 3, 2, 2, dtype=torch.uint8)
+        self.clock.now += 0.1
+
+
+def test_metrics_count_starting_and_ending_a_pass_as_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting the workers happened in iter(), untimed, and the call that found the end was not
+    counted: a loop that only waited reported a wait fraction of 0.61."""
+    import cdmlfs_torch.metrics
+    import cdmlfs_torch.prefetch
+
+    clock = Clock()
+    for module in (cdmlfs_torch.metrics, cdmlfs_torch.prefetch):
+        monkeypatch.setattr(module, "time", type("FakeTime", (), {"perf_counter": staticmethod(clock)}))
+    loader = GPUPrefetchLoader(SlowToStart(clock, 3), device="cpu")
+    assert sum(1 for _ in loader) == 3  # nothing but waiting
+    m = loader.metrics()
+    assert m["first_wait_s"] == pytest.approx(0.54)
+    assert m["elapsed_s"] == pytest.approx(0.5 + 3 * 0.04 + 0.1)
+    assert m["wait_fraction"] == pytest.approx(1.0)
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Just enough of torch.cuda's stream API for the CUDA iterator's own logic to run on a CPU."""
+    import contextlib
+
+    class Stream:
+        def wait_stream(self, other) -> None:
+            pass
+
+        def wait_event(self, event) -> None:
+            pass
+
+    class Event:
+        def record(self, stream=None) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+
+
+def test_breaking_out_of_a_cuda_pass_frees_the_loader_without_a_collection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CUDA iterator and its look-ahead formed a cycle: after ``break`` the DataLoader's
+    iterator (its worker processes, the batches in flight) lived until a garbage collection.
+    (tests/test_torch_cuda.py checks the same on a GPU.)"""
+    import gc
+    import weakref
+
+    _fake_cuda(monkeypatch)
+    base = DataLoader(TensorDataset(torch.zeros(16, 3, 2, 2)), batch_size=2)
+    loader = GPUPrefetchLoader(base, device="cpu")
+    loader.use_cuda = True  # the CUDA iterator, with tensors left where they are (device None)
+    gc.disable()
+    try:
+        it = iter(loader)
+        next(it)
+        source = weakref.ref(it._ahead._source)
+        del it
+        assert source() is None
+    finally:
+        gc.enable()
+
+
 class Broken(Dataset):
     def __len__(self) -> int:
         return 4
