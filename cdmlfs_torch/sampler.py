@@ -128,6 +128,7 @@ class ArchiveOrderSampler(Sampler[int]):
         self.start_index = 0
         self._set_start(start_index)
         self._handed_out = 0
+        self._pass_done = False
         # Given here, the skip waits for the first epoch iterated, whichever set_epoch names it (the
         # usual resume loop calls set_epoch(resumed_epoch) first, which dropped it).
         self._start_pending = start_index > 0
@@ -162,16 +163,21 @@ class ArchiveOrderSampler(Sampler[int]):
 
     # -- Sampler protocol ----------------------------------------------------
     def __iter__(self) -> Iterator[int]:
+        if self._pass_done:  # a pass after a finished one starts from the beginning, resumed or not
+            self.start_index = 0
+            self._pass_done = False
         todo = self.indices()[self.start_index :]
         self._start_pending = False
         self._handed_out = 0
         for i in todo:
             self._handed_out += 1
             yield i
-        # A finished pass starts the next one from the beginning, resumed or not; until then,
-        # state_dict() says this epoch is done (a checkpoint taken now resumes at the next one).
-        self.start_index = 0
-        self._handed_out = self.num_samples
+        # Done for the sampler, not yet for the loop: DataLoader workers take indices batches
+        # ahead. start_index and len() stay this epoch's until the next pass or set_epoch (reset
+        # here, a resumed epoch's len(loader) grew mid-epoch and its start could not be read
+        # back for a checkpoint); state_dict() already says the epoch is done.
+        self._handed_out = self.num_samples - self.start_index
+        self._pass_done = True
 
     def __len__(self) -> int:
         return self.num_samples - self.start_index
@@ -186,6 +192,7 @@ class ArchiveOrderSampler(Sampler[int]):
         if epoch != self.epoch and not self._start_pending:
             self.start_index = 0
             self._handed_out = 0
+            self._pass_done = False
         self.epoch = epoch
 
     # -- resume ----------------------------------------------------------------
@@ -199,8 +206,9 @@ class ArchiveOrderSampler(Sampler[int]):
 
         Without it, the count of indices handed out so far is used; with
         DataLoader workers prefetching, that runs ahead of what was trained on,
-        so checkpoint code should pass ``consumed = batches_done * batch_size``
-        (counted from the start of the epoch).
+        so checkpoint code should pass ``consumed`` counted from the start of the
+        epoch: ``sampler.start_index + batches_done * batch_size`` in an epoch that
+        resumed (``start_index`` holds until the next pass or ``set_epoch``).
         """
         position = self.start_index + self._handed_out if consumed is None else consumed
         if position >= self.num_samples:  # the epoch is done: resume at the next one
@@ -217,6 +225,7 @@ class ArchiveOrderSampler(Sampler[int]):
         self.epoch = int(state["epoch"])
         self._set_start(int(state.get("start_index", 0)))
         self._handed_out = 0
+        self._pass_done = False
 
     def _config(self) -> dict[str, Any]:
         return {

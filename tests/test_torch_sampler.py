@@ -133,7 +133,8 @@ def test_resume_from_a_sample_position() -> None:
     b.set_epoch(4)  # the training loop's usual call keeps the resume position
     assert len(b) == len(full) - consumed
     assert list(b) == full[consumed:]
-    assert len(b) == len(full) and list(b) == full  # the next pass is whole again
+    assert len(b) == len(full) - consumed and b.start_index == consumed  # still this epoch's
+    assert list(b) == full and len(b) == len(full)  # the next pass is whole again
     b.set_epoch(5)
     a.set_epoch(5)
     assert list(b) == list(a)
@@ -229,3 +230,26 @@ def test_with_a_dataloader() -> None:
     loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=sampler)
     got = [int(x) for b in loader for x in b]
     assert got == sampler.indices() and len(loader) == math.ceil(52 / 8)
+
+
+def test_a_resumed_epoch_keeps_its_length_and_start_while_workers_run_ahead() -> None:
+    """DataLoader workers drain the sampler batches before the loop gets there; the sampler reset
+    its start and length as soon as it was drained: len(loader) grew mid-epoch (5 -> 10 batches)
+    and a checkpoint counting from sampler.start_index resumed too early, repeating samples."""
+    from torch.utils.data import DataLoader
+
+    n, batch = 40, 4
+    sampler = ArchiveOrderSampler(range(n), window=8, seed=1, start_index=20)
+    loader = DataLoader(list(range(n)), batch_size=batch, sampler=sampler, num_workers=2)
+    lengths, starts, seen = [], [], []
+    for step, got in enumerate(loader):
+        lengths.append(len(loader))
+        starts.append(sampler.start_index)
+        seen += got.tolist()
+        if step == 2:  # a checkpoint mid-epoch, counted from the epoch's start
+            state = sampler.state_dict(consumed=sampler.start_index + (step + 1) * batch)
+    assert lengths == [5] * 5 and starts == [20] * 5
+    assert state == {**state, "epoch": 0, "start_index": 32}
+    resumed = ArchiveOrderSampler(range(n), window=8, seed=1)
+    resumed.load_state_dict(state)
+    assert seen[-8:] == list(resumed)  # the samples after the checkpoint, none repeated
