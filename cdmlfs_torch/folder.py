@@ -13,6 +13,7 @@ take them as torchvision's own.
 
 from __future__ import annotations
 
+import contextvars
 import os
 from collections.abc import Callable
 from typing import Any
@@ -44,8 +45,22 @@ def is_image_file(filename: str) -> bool:
     return has_file_allowed_extension(filename, IMG_EXTENSIONS)
 
 
+# The dataset whose constructor is running its hooks: they get its root as torchvision passes it
+# (the path), and the module functions below then open it through the dataset, with its options.
+# An overridden find_classes left the default make_dataset opening the root with none (cache size,
+# S3 endpoint ignored), and the dataset without the handle that checks the archive is unchanged.
+_CONSTRUCTING: contextvars.ContextVar[ArchiveDatasetFolder | None] = contextvars.ContextVar(
+    "cdmlfs_torch_constructing", default=None
+)
+
+
 def _tree(directory: str | os.PathLike | Tree) -> Tree:
-    return directory if isinstance(directory, Tree) else resolve_root(directory)
+    if isinstance(directory, Tree):
+        return directory
+    dataset = _CONSTRUCTING.get()
+    if dataset is not None and directory is dataset.root:
+        return dataset.tree
+    return resolve_root(directory)
 
 
 def _opened_locally(exc: FileNotFoundError, path: str, who: str) -> FileNotFoundError:
@@ -192,14 +207,18 @@ class ArchiveDatasetFolder(_DatasetFolderBase):  # type: ignore[misc,valid-type]
         # a subclass whose hooks read a manifest instead never has its root taken for a folder.
         self._tree: Tree | None = None
         self._tree_options = {"cache_size": cache_size, **(open_options or {})}
-        classes, class_to_idx = self.find_classes(self.root)
-        samples = self.make_dataset(
-            self.root,
-            class_to_idx=class_to_idx,
-            extensions=extensions,
-            is_valid_file=is_valid_file,
-            allow_empty=allow_empty,
-        )
+        constructing = _CONSTRUCTING.set(self)
+        try:
+            classes, class_to_idx = self.find_classes(self.root)
+            samples = self.make_dataset(
+                self.root,
+                class_to_idx=class_to_idx,
+                extensions=extensions,
+                is_valid_file=is_valid_file,
+                allow_empty=allow_empty,
+            )
+        finally:
+            _CONSTRUCTING.reset(constructing)
         self.loader = loader
         self.extensions = extensions
         self.classes = classes

@@ -34,6 +34,7 @@ from cdmlfs_torch import (  # noqa: E402
     split_sample_path,
     tensor_loader,
 )
+from cdmlfs_torch.roots import ArchiveTree  # noqa: E402
 
 H, W = 12, 16
 
@@ -974,3 +975,27 @@ def test_default_loader_follows_torchvisions_image_backend(trees: dict[str, Path
     finally:
         torchvision.set_image_backend(previous)
     assert np.array_equal(np.array(default_loader(inner)), np.array(theirs_loader(local)))
+
+
+def test_a_subclass_picking_its_classes_keeps_the_datasets_open_options(tmp_path: Path) -> None:
+    """Overriding only find_classes (a common torchvision idiom) left the default make_dataset to
+    open the root on its own: the archive opened without the dataset's cache_size / open_options
+    (an S3 endpoint lost), and the dataset without the handle that notices a replaced archive."""
+    src = tmp_path / "src"
+    for name in ("a", "b", "c"):
+        (src / name).mkdir(parents=True)
+        _image(src / name / "x.png", 1)
+    path = shutil.make_archive(str(tmp_path / "d"), "zip", src)
+
+    class TwoClasses(ArchiveImageFolder):
+        def find_classes(self, directory):
+            return ["a", "c"], {"a": 0, "c": 1}
+
+    handles.close_all()
+    try:
+        ds = TwoClasses(path, cache_size=3 << 20)
+        assert [(ds.relpath(i), t) for i, (_, t) in enumerate(ds.samples)] == [("a/x.png", 0), ("c/x.png", 1)]
+        assert handles.get_archive(path).cache.limit == 3 << 20
+        assert isinstance(ds._tree, ArchiveTree) and ds[1][1] == 1
+    finally:
+        handles.close_all()
