@@ -537,33 +537,46 @@ def cmd_stats(args: argparse.Namespace) -> int:
     import json
 
     from cdmlfs import statsio
-    from cdmlfs.mountpoints import call_within, enclosing_mount, mount_entry
+    from cdmlfs.mountpoints import call_within, enclosing_mount, enclosing_mount_by_name, mount_entry
 
-    entry = mount_entry(args.mountpoint)
-    if entry is None:  # a folder inside a mount: its mount's counters, as df answers for it
-        entry = enclosing_mount(args.mountpoint)
+    def find() -> dict[str, str] | None:
+        entry = mount_entry(args.mountpoint)
+        if entry is None:  # a folder inside a mount: its mount's counters, as df answers for it
+            entry = enclosing_mount(args.mountpoint)
+        return entry
+
+    def busy(mountpoint: str) -> str:
+        return (
+            " (its daemon is busy with a long request, or stopped: if it stays so, 'cdmlfs umount "
+            f"--lazy {mountpoint}' detaches the mount)"
+        )
+
+    try:  # a folder inside a mount is looked up by its daemon: one that is stopped never answers
+        entry = call_within(find, STATS_TIMEOUT)
+    except TimeoutError as exc:
+        held = enclosing_mount_by_name(args.mountpoint)
+        hint = busy(held["mountpoint"]) if held is not None and held["fstype"] == "fuse.cdmlfs" else ""
+        raise CdmlfsError(f"{args.mountpoint}: cannot read stats: {exc.strerror}{hint}") from None
     if entry is None or entry["fstype"] != "fuse.cdmlfs":
         if not os.path.lexists(args.mountpoint):
             raise UsageError(f"{args.mountpoint}: no such directory")
         raise UsageError(f"{args.mountpoint}: not a cdmlfs mount")
+    mountpoint = entry["mountpoint"]  # what umount takes (it refuses a folder inside the mount)
     try:
-        stats = call_within(lambda: statsio.read(entry["mountpoint"]), STATS_TIMEOUT)
+        stats = call_within(lambda: statsio.read(mountpoint), STATS_TIMEOUT)
     except OSError as exc:
         hint = ""
         if isinstance(exc, TimeoutError):
-            hint = (
-                " (its daemon is busy with a long request, or stopped: if it stays so, 'cdmlfs umount "
-                f"--lazy {args.mountpoint}' detaches the mount)"
-            )
+            hint = busy(mountpoint)
         elif exc.errno == errno.ENOTCONN:
-            hint = f" (its daemon is gone: 'cdmlfs umount {args.mountpoint}' clears it; the log says why)"
+            hint = f" (its daemon is gone: 'cdmlfs umount {mountpoint}' clears it; the log says why)"
         elif exc.errno == errno.ENOTTY:
             hint = " (its daemon does not answer this request: an older cdmlfs? remount to update it)"
         raise CdmlfsError(f"{args.mountpoint}: cannot read stats: {exc.strerror}{hint}") from None
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0
-    print(_format_stats(stats))
+    print(_format_stats(stats, _quote_for_terminal if sys.stdout.isatty() else str))
     return 0
 
 
@@ -571,11 +584,13 @@ def _mib(n: int | None) -> str:
     return "?" if n is None else f"{n / 2**20:,.1f} MiB"
 
 
-def _format_stats(s: dict) -> str:
+def _format_stats(s: dict, quote: Callable[[str], str] = str) -> str:
+    """``quote``: how names are shown (escaped on a terminal, as ``ls``: an archive's name is the
+    user's to choose, control characters and all)."""
     c = s["cache"]
     hit = "n/a" if c["hit_rate"] is None else f"{100 * c['hit_rate']:.1f}%"
     lines = [
-        f"archive   {s['archive']} ({s['format']}, {s['entries']:,} entries)",
+        f"archive   {quote(s['archive'])} ({s['format']}, {s['entries']:,} entries)",
         f"daemon    pid {s['pid']}, up {s['uptime_s']:.0f}s, {s['serving']}, RSS {_mib(s['rss_bytes'])}, "
         f"index {_mib(s['index_bytes'])}",
         f"cache     {_mib(c['held'])} of {_mib(c['limit'])} held ({c['extents']:,} extents), hit rate {hit}, "
@@ -600,7 +615,7 @@ def _format_stats(s: dict) -> str:
                      f"{lp['requests']:,} requests arrived while polling, "
                      f"{lp['woke_sleeping']:,} woke it")  # fmt: skip
     if s.get("source"):
-        lines.append("source    " + ", ".join(f"{k} {v}" for k, v in sorted(s["source"].items())))
+        lines.append("source    " + ", ".join(f"{k} {quote(str(v))}" for k, v in sorted(s["source"].items())))
     if s.get("decoder"):
         lines.append("decoder   " + ", ".join(f"{k} {v:,}" for k, v in sorted(s["decoder"].items())))
     return "\n".join(lines)

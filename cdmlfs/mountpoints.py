@@ -107,6 +107,19 @@ def enclosing_mount(path: str) -> dict[str, str] | None:
     return found
 
 
+def enclosing_mount_by_name(path: str) -> dict[str, str] | None:
+    """The innermost mount whose mount point is ``path`` or above it, by name alone (``path``
+    made absolute, no link read): for naming a mount whose daemon does not answer lookups."""
+    target = os.path.abspath(path)
+    found = None
+    for entry in _mounts():
+        mp = entry["mountpoint"]
+        inside = target == mp or target.startswith(mp.rstrip("/") + "/")
+        if inside and (found is None or len(mp) >= len(found["mountpoint"])):
+            found = entry
+    return found
+
+
 def _is_dead(path: str) -> bool:
     # statvfs always reaches the daemon; stat of the mount root may be answered from the attr cache.
     try:

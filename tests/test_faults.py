@@ -160,6 +160,8 @@ def test_umount_of_a_dead_mount_while_a_file_is_still_open(big_zip, mnt: Path) -
             assert e.value.errno == errno.ENOTCONN
             res = run_cli("stats", str(mnt))  # says what to do, in one line
             assert res.returncode != 0 and f"cdmlfs umount {mnt}" in res.stderr.decode()
+            res = run_cli("stats", str(mnt / "sub"))  # the command to run names the mount
+            assert res.returncode != 0 and f"'cdmlfs umount {mnt}'" in res.stderr.decode()
             res = run_cli("umount", str(mnt / "sub" / "dir"))  # a path inside it: names the mount
             assert res.returncode != 0 and f"inside the dead mount {mnt}" in res.stderr.decode()
             res = run_cli("umount", str(mnt), timeout=30)

@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,18 @@ def test_stats_replies_frame_a_long_snapshot_in_chunks() -> None:
     renewals = iter((7, 8, 8, 8, 8, 8))
     assert statsio.gather(lambda buf: daemon(buf, next(renewals))) == json.loads(blob)
     assert statsio.REQUEST >> 30 == 3 and (statsio.REQUEST >> 16) & 0x3FFF == statsio.CHUNK
+
+
+def test_stats_on_a_terminal_escapes_the_archive_name(tmp_path: Path, mnt: Path) -> None:
+    """An archive name is the user's to choose, escape sequences and newlines included: stats
+    printed it raw (the terminal obeyed the escape, the 'archive' line split in two), ls did not."""
+    from test_api import _on_a_terminal
+
+    archive = tmp_path / "we\x1b[31mird\nname.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr("a.txt", b"a")
+    with mounted(archive, mnt):
+        shown = _on_a_terminal("stats", str(mnt))
+        assert "\x1b" not in shown and "we\\x1b[31mird\\x0aname.zip'" in shown, shown
+        piped = run_cli("stats", "--json", str(mnt), check=True).stdout
+        assert json.loads(piped)["archive"] == str(archive)  # JSON: the name as it is

@@ -437,6 +437,13 @@ def test_umount_and_stats_of_a_stuck_daemon_once_its_attributes_expired(tmp_path
         err = res.stderr.decode()
         assert res.returncode == 1 and "no answer within" in err and err.count("\n") == 1, err
         assert time.monotonic() - started < 20
+        # A folder inside: looked up by the stopped daemon itself (that lookup hung for good).
+        started = time.monotonic()
+        res = run_cli("stats", str(mnt / "data"), timeout=60)
+        err = res.stderr.decode()
+        assert res.returncode == 1 and "no answer within" in err and err.count("\n") == 1, err
+        assert f"'cdmlfs umount --lazy {mnt}'" in err, err  # the mount, which umount takes
+        assert time.monotonic() - started < 20
         started = time.monotonic()
         res = run_cli("umount", str(link), timeout=60)
         assert res.returncode == 0 and not is_mounted(mnt), res.stderr.decode()
