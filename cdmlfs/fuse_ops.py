@@ -109,6 +109,7 @@ class ArchiveOperations:
         self._stats_time = 0.0
         self._stats_number = 0
         self._stats_lock = threading.Lock()
+        self._open_lock = threading.Lock()
         if direct_io_min is not None:
             # Opens reach us in this mode; count them (no release handler otherwise: libfuse answers it).
             self.release = self._release
@@ -242,7 +243,8 @@ class ArchiveOperations:
         if self.index.kind[eid] == DIR:
             raise OSError(errno.EISDIR, "")
         self.stats.requests["open"] += 1
-        self.stats.open_files += 1
+        with self._open_lock:  # a gauge: a lost update under the multithreaded loop would stay
+            self.stats.open_files += 1
         fi.fh = eid
         fi.keep_cache = 1
         if self.index.size[self.index.data_entry(eid)] >= self.direct_io_min:
@@ -250,7 +252,8 @@ class ArchiveOperations:
         return 0
 
     def _release(self, path: str | None, fi) -> int:
-        self.stats.open_files -= 1
+        with self._open_lock:
+            self.stats.open_files -= 1
         return 0
 
     def read(self, path: str | None, size: int, offset: int, fi) -> bytes:
