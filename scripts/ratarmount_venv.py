@@ -19,6 +19,9 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
+RATARMOUNT_VERSION = "1.3.0"  # the baseline measured: pinned, so runs compare with the same peer
+
+
 def ensure_ratarmount(
     venv: Path = DEFAULT_VENV, extras: tuple[str, ...] = (), say: Callable[[str], object] = _say
 ) -> Path | None:
@@ -35,7 +38,8 @@ def ensure_ratarmount(
     try:
         if not python.exists():
             subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "ratarmount", *extras], check=True)
+        pinned = f"ratarmount=={RATARMOUNT_VERSION}"
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", pinned, *extras], check=True)
     except (subprocess.CalledProcessError, OSError) as exc:
         say(f"ratarmount unavailable ({exc}): skipping its baselines")
         return None
