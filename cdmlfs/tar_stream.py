@@ -454,6 +454,9 @@ def members(raw, where: str, kind: str) -> Iterator[Member]:
             else:  # DIR, SYMLINK
                 yield Member(path, member_kind, mode, mtime, link=link)
         # A mount lists what came before a cut; a copy must not lose the rest without a word.
+        if records.damaged is not None:
+            pos, why = records.damaged
+            raise ArchiveFormatError(f"corrupt tar header at byte {pos:,} of the tar stream: {why}")
         if records.cut is not None:
             raise ArchiveFormatError(
                 f"the tar ends inside a header at byte {records.cut:,} (a truncated copy?)"

@@ -145,7 +145,10 @@ def scan_tar(view, members: MemberTable) -> int:
     append = members.append
     for kind, name, mode, mtime, size, offset, link, sparse in records:
         append(kind, name, mode, mtime, size, offset, link, sparse=sparse)
-    if records.cut is not None:
+    if records.damaged is not None:
+        pos, why = records.damaged
+        members.ending = f"has a corrupt header at offset {pos} ({why}), where cdmlfs stops"
+    elif records.cut is not None:
         members.ending = f"ends inside a header at offset {records.cut} (a truncated copy?)"
     elif records.lone_zero is not None:
         members.ending = (
@@ -174,6 +177,7 @@ class TarRecords:
         self.cut: int | None = None  # where the stream ended inside a header or extension record
         self.marked = False  # the tar ended with its end-of-archive (zero) block, not just the stream
         self.lone_zero: int | None = None  # a single zero block followed by more data ended it here
+        self.damaged: tuple[int, str] | None = None  # (offset, why): a corrupt header ended it there
 
     def __iter__(self) -> Iterator[tuple[int, str, int, float, int, int, str, array | None]]:
         view = self._view
@@ -208,9 +212,11 @@ class TarRecords:
             except th.TarHeaderError as exc:
                 if pos == 0:
                     raise ArchiveFormatError(f"not a tar archive ({exc})") from None
-                raise ArchiveFormatError(
-                    f"corrupt tar header at offset {pos} of the tar stream: {exc}"
-                ) from None
+                # The members before it are sound: listed, as after a cut (tar -x skips on to the
+                # next header it can read; we do not guess where that is). Refusing the whole
+                # archive lost a dataset to one damaged block.
+                self.damaged = (pos, str(exc))
+                break
             typeflag = h.typeflag
             if not 0 <= h.size <= MAX_MEMBER_SIZE:
                 # base-256 sizes can be negative or above 2**64: a negative one moved the scan backwards
@@ -232,9 +238,10 @@ class TarRecords:
                         if not ext[504]:
                             break
             except th.TarHeaderError as exc:  # a sparse map field that is no number
-                raise ArchiveFormatError(
-                    f"corrupt tar header at offset {pos} of the tar stream: {exc}"
-                ) from None
+                if pos == 0:  # nothing before it to list
+                    raise ArchiveFormatError(f"corrupt tar header at offset 0: {exc}") from None
+                self.damaged = (pos, str(exc))
+                break
             if typeflag in _META_TYPES:
                 if h.size > MAX_META_MEMBER:
                     raise ArchiveFormatError(f"tar extension header at offset {pos} is {h.size} bytes long")
