@@ -79,8 +79,10 @@ def decompress_bounded(
             while len(out) < HEAD_BYTES and (chunk := reader.read(HEAD_BYTES - len(out))):
                 out += chunk
             expected = length_of(bytes(out))
-            if expected > limit or (size >= 0 and size != expected):
-                raise ValueError(f"it declares {expected} bytes, more than {limit} or not its frame's size")
+            if expected > limit:
+                raise ValueError(f"it declares {expected} bytes, more than {limit}")
+            if size >= 0 and size != expected:
+                raise ValueError(f"it declares {expected} bytes, its zstd frame {size}")
             limit = expected
         if size >= 0 and not out:
             return zstandard.ZstdDecompressor().decompress(data)

@@ -760,6 +760,18 @@ def _keep_mode_of(out: str, fd: int) -> None:
             os.fchown(fd, st.st_uid, st.st_gid)
 
 
+class _HeldRecords(logging.Filter):
+    """Keeps a logger's records instead of letting them out (see where pack opens an archive)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+
 def _create_partial(out: str) -> tuple[BinaryIO, str]:
     """A new temporary file beside ``out`` (its hidden ``.partial`` name), open for writing.
 
@@ -975,7 +987,24 @@ def _pack(
         else:
             from cdmlfs.archive import Archive
 
-            archive = Archive(src, cache_size=256 << 20, **archive_options)
+            # The tar format's warnings are held until we know we go on: for a damaged tar its
+            # "listing what came before" would precede the one-line refusal.
+            held = _HeldRecords()
+            tar_log = logging.getLogger("cdmlfs.formats.tar")
+            tar_log.addFilter(held)
+            try:
+                archive = Archive(src, cache_size=256 << 20, **archive_options)
+            finally:
+                tar_log.removeFilter(held)
+            if not getattr(archive.format, "damaged", False):
+                for record in held.records:
+                    tar_log.handle(record)
+            else:  # a mount lists what came before it; a copy must not drop the rest
+                archive.close()
+                raise ArchiveFormatError(
+                    f"{src}: the tar stream {archive.format.ending}: a copy would lose every member "
+                    "after it (tar -x may read on past it)"
+                )
             entries = listed = entries_from_archive(archive, dirs_last=kind != "zip")
             total = _bytes_to_write(listed, kind)
         started = time.monotonic()

@@ -344,6 +344,23 @@ def test_a_corrupt_header_mid_archive_lists_the_members_before_it(caplog: pytest
         caplog.clear()
 
 
+def test_a_corrupt_header_after_only_extension_records_is_refused() -> None:
+    """Nothing to list before it (a pax record is no member): refused as before, not an empty tar."""
+    bad = bytearray(th.build_header("x", th.REGTYPE, 0))
+    bad[148:156] = b"0000000\0"
+    with pytest.raises(ArchiveFormatError, match="corrupt tar header at offset 1024"):
+        _open(_pax(th.pax_record("path", b"p")) + bytes(bad) + bytes(1024))
+
+
+def test_a_crc_flag_that_is_no_integer_is_a_bad_table_not_a_crash() -> None:
+    """ "crc": 1.0 passed the flag check and then raised TypeError (no ValueError: no rescan)."""
+    from cdmlfs.formats.tarmembers import MemberTable, MemberTableError
+
+    table = MemberTable().encode().replace(b'"crc":0', b'"crc":1.0', 1)
+    with pytest.raises(MemberTableError, match="crc flag"):
+        MemberTable.decode(table)
+
+
 @pytest.mark.parametrize("with_progress", [False, True])
 def test_refused_tar_zst_leaves_nothing_behind(with_progress: bool) -> None:
     """A scan stopped by a corrupt header used to leak its view, 1 MiB buffer and zstd decoder

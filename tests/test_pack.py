@@ -1242,3 +1242,35 @@ def test_a_converted_archive_extracts_with_plain_tar_not_as_root(tmp_path: Path)
     finally:
         subprocess.run(["chmod", "-R", "u+w", str(out), str(src)], check=False)
         shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.mark.parametrize("suffix", [".tar", ".tar.zst"])
+def test_pack_refuses_a_tar_whose_listing_a_corrupt_header_ended(suffix: str, tmp_path: Path) -> None:
+    """A mount lists the members before a corrupt header; pack read the archive the same way and
+    wrote a copy without the rest, exit 0 (convert, delete the source: members lost)."""
+    import tarfile
+
+    import zstandard
+
+    raw = tmp_path / "raw.tar"
+    with tarfile.open(raw, "w", format=tarfile.GNU_FORMAT) as tf:
+        for name in ("a.txt", "b.txt", "c.txt"):
+            (tmp_path / name).write_bytes(name.encode() * 100)
+            tf.add(tmp_path / name, arcname=name)
+    data = bytearray(raw.read_bytes())
+    data[1024 + 148 : 1024 + 156] = b"0000000\0"  # b.txt's header checksum
+    src = tmp_path / f"bad{suffix}"
+    if suffix == ".tar":
+        src.write_bytes(bytes(data))
+    else:  # one sized frame: read through the archive's index, not a stream
+        src.write_bytes(zstandard.ZstdCompressor().compress(bytes(data)))
+    assert run_cli("ls", str(src), "--index-dir", str(tmp_path / "idx"), check=True).stdout == b"a.txt\n"
+    for out in (tmp_path / "o.tar.zst", tmp_path / "o.zip"):
+        res = run_cli("pack", "-q", str(src), str(out), "--index-dir", str(tmp_path / "idx"))
+        err = res.stderr.decode()
+        # Read as an archive (its index), or as a stream (a .tar.zst without a seek table to tar.zst).
+        as_archive = "corrupt header at offset 1024" in err and "a copy would lose every member" in err
+        as_stream = "corrupt tar header at byte 1,024" in err
+        assert res.returncode == 1 and (as_archive or as_stream) and len(err.splitlines()) == 1, err
+        assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if "partial" in p.name]

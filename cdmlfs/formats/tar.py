@@ -127,6 +127,9 @@ LAST_SNIFFERS = [(_is_empty_tar, open_tar)]  # after the ZIP tail check (see loo
 
 
 # -- the scan --------------------------------------------------------------------------
+DAMAGED_ENDING = "has a corrupt header"  # how a member table's ending starts when one stopped it
+
+
 class _ScanStats:
     def __init__(self) -> None:
         self.devices = 0
@@ -147,7 +150,7 @@ def scan_tar(view, members: MemberTable) -> int:
         append(kind, name, mode, mtime, size, offset, link, sparse=sparse)
     if records.damaged is not None:
         pos, why = records.damaged
-        members.ending = f"has a corrupt header at offset {pos} ({why}), where cdmlfs stops"
+        members.ending = f"{DAMAGED_ENDING} at offset {pos} ({why}), where cdmlfs stops"
     elif records.cut is not None:
         members.ending = f"ends inside a header at offset {records.cut} (a truncated copy?)"
     elif records.lone_zero is not None:
@@ -189,6 +192,7 @@ class TarRecords:
         stats = _ScanStats()
         read = view.read
         headers = name_bytes = 0
+        listed = False  # a member was yielded (a corrupt header after one ends the listing there)
         while True:
             block = read(pos, th.BLOCK)
             if len(block) < th.BLOCK:
@@ -212,6 +216,8 @@ class TarRecords:
             except th.TarHeaderError as exc:
                 if pos == 0:
                     raise ArchiveFormatError(f"not a tar archive ({exc})") from None
+                if not listed:  # only extension records before it: nothing to list
+                    raise ArchiveFormatError(f"corrupt tar header at offset {pos}: {exc}") from None
                 # The members before it are sound: listed, as after a cut (tar -x skips on to the
                 # next header it can read; we do not guess where that is). Refusing the whole
                 # archive lost a dataset to one damaged block.
@@ -238,8 +244,8 @@ class TarRecords:
                         if not ext[504]:
                             break
             except th.TarHeaderError as exc:  # a sparse map field that is no number
-                if pos == 0:  # nothing before it to list
-                    raise ArchiveFormatError(f"corrupt tar header at offset 0: {exc}") from None
+                if not listed:  # nothing before it to list
+                    raise ArchiveFormatError(f"corrupt tar header at offset {pos}: {exc}") from None
                 self.damaged = (pos, str(exc))
                 break
             if typeflag in _META_TYPES:
@@ -316,8 +322,10 @@ class TarRecords:
                     stats.sparse += 1
                     log.warning("skipping member %r: %s", name, exc)
                     continue
+                listed = True
                 yield (FILE, name, h.mode, mtime, real, data_off + skip, "", segments)
                 continue
+            listed = True  # (a device or an unsupported entry counts: there is something before)
             if typeflag in (th.REGTYPE, th.AREGTYPE, th.CONTTYPE):
                 if name.endswith("/"):  # pre-POSIX tars mark directories with a slash
                     yield (DIR, name, h.mode, mtime, 0, 0, "", None)
@@ -501,6 +509,14 @@ class TarFormat:
             members = self._open_tar(progress)
             self.stream = RawStream(source)
         self.index: Index = members.build_index(self._mtime)
+        # How the tar stream ended when it did not end as it should ("" when it did): a mount
+        # lists what came before; a copy (cdmlfs pack) of a damaged one must not.
+        self.ending = members.ending
+
+    @property
+    def damaged(self) -> bool:
+        """A corrupt header ended the listing: members after it exist but are not listed."""
+        return self.ending.startswith(DAMAGED_ENDING)
 
     def data_offset(self, eid: int) -> int:
         return self.index.offset[eid]

@@ -192,7 +192,7 @@ class MemberTable:
                 raise MemberTableError("member table header is not a JSON object")
             if header.get("v") not in READABLE_VERSIONS:
                 raise MemberTableError(f"member table version {header.get('v')} is not supported")
-            if header.get("crc", 0) not in (0, 1):
+            if type(header.get("crc", 0)) is not int or header.get("crc", 0) not in (0, 1):  # not 1.0
                 raise MemberTableError("bad member table header (crc flag)")
             for key in ("n", "links", "names_bytes", "links_bytes", "stream_size"):
                 if int(header[key]) < 0:
