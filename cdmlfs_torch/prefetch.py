@@ -246,6 +246,16 @@ class _PassThroughIterator:
         return out
 
 
+def _detached(exc: BaseException) -> BaseException:
+    """``exc`` held for later without the frames it passed (``_fill_one``'s holds the look-ahead:
+    a cycle that kept the DataLoader's workers alive after a ``break`` until a collection). Where
+    it came from is still told: its traceback below the frames here is kept."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code in _OWN_FRAMES:
+        tb = tb.tb_next
+    return exc.with_traceback(tb)
+
+
 class _Ahead:
     """Items started ``depth`` ahead of the consumer, handed out in order.
 
@@ -272,14 +282,14 @@ class _Ahead:
             self._exhausted = True
             return
         except Exception as exc:
-            self._queue.append((False, exc))
+            self._queue.append((False, _detached(exc)))
             return
         try:
             self._queue.append((True, self._start(host)))
         except StopIteration as exc:  # raised from next(), it would end the pass: an error instead
             self._queue.append((False, RuntimeError(f"a batch's conversion raised StopIteration: {exc}")))
         except Exception as exc:
-            self._queue.append((False, exc))
+            self._queue.append((False, _detached(exc)))
 
     def next(self) -> Any:
         """The next started item; StopIteration at the end; an item's error in its turn."""
@@ -295,7 +305,10 @@ class _Ahead:
             self._queue.appendleft((ok, item))
             raise
         if not ok:
-            raise item
+            try:
+                raise item
+            finally:  # the frame of this call, kept by the traceback, must not keep the item
+                del item
         return item
 
 
@@ -326,12 +339,13 @@ class _CudaPrefetchIterator:
         self._owner = owner
         self._metrics = metrics
         started = time.perf_counter()
+        side = owner._side_stream()  # made on the first pass
         source = iter(owner.loader)  # starts the workers: the consumer waits for that too
         metrics.add_startup(time.perf_counter() - started)
         # Items: (device batch, ready event, host batch kept alive until the copy is consumed).
         # The start function must not hold this iterator: a cycle kept the DataLoader's workers
         # (and the batches in flight) alive after a `break` until a garbage collection.
-        issue = functools.partial(_issue_on_side_stream, owner, owner._side_stream())
+        issue = functools.partial(_issue_on_side_stream, owner, side)
         self._ahead = _Ahead(source, owner.prefetch, issue)
         self._done = False
 
@@ -359,3 +373,6 @@ class _CudaPrefetchIterator:
         map_tensors(dev, hand_over)
         self._metrics.add_wait(time.perf_counter() - t0)
         return dev
+
+
+_OWN_FRAMES = (_Ahead._fill_one.__code__,)
