@@ -541,8 +541,19 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     def find() -> dict[str, str] | None:
         entry = mount_entry(args.mountpoint)
-        if entry is None:  # a folder inside a mount: its mount's counters, as df answers for it
-            entry = enclosing_mount(args.mountpoint)
+        if entry is not None:
+            return entry
+        # A folder inside a mount: its mount's counters, as df answers for it. It must exist
+        # (a typo printed the mount's stats); a link to one is followed.
+        try:
+            os.stat(args.mountpoint)
+        except FileNotFoundError:
+            return None
+        except OSError:  # inside a dead mount (ENOTCONN): found below, its stats say what to do
+            pass
+        entry = enclosing_mount(args.mountpoint)
+        if (entry is None or entry["fstype"] != "fuse.cdmlfs") and os.path.islink(args.mountpoint):
+            entry = enclosing_mount(os.path.realpath(args.mountpoint)) or entry
         return entry
 
     def busy(mountpoint: str) -> str:

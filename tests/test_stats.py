@@ -49,6 +49,11 @@ def test_stats_count_what_was_served(both_paths: str, tmp_path: Path, mnt: Path)
         assert inner["format"] == "zip" and inner["cache"]["limit"] == 32 << 20
         res = run_cli("stats", str(tmp_path))  # a folder outside any cdmlfs mount
         assert res.returncode == 2 and b"not a cdmlfs mount" in res.stderr
+        res = run_cli("stats", str(mnt / "data" / "nestde"))  # a typo: printed the mount's stats
+        assert res.returncode == 2 and b"no such directory" in res.stderr, res.stderr
+        link = tmp_path / "to-nested"
+        link.symlink_to(mnt / "data" / "nested")  # a link to a folder inside: "not a cdmlfs mount"
+        assert json.loads(run_cli("stats", "--json", str(link), check=True).stdout)["format"] == "zip"
         # Extended attributes are not supported (ls -l asks each file for its ACL and label): the
         # first getxattr answers ENOSYS and the kernel asks no more; listxattr lists none.
         requests = mount_stats(mnt)["loop"]
