@@ -1262,13 +1262,10 @@ def test_a_persisted_sparse_map_out_of_order_is_not_trusted() -> None:
         MemberTable.decode(table.encode())
 
 
-def test_an_embedded_index_that_decodes_past_what_the_stream_can_hold_is_not_decoded(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A few KB of payload (1 GiB of zeros, compressed) were decoded whole before their size was
-    checked against a fixed 4 GiB: a small file took a GB of memory to open."""
+def _archive_with_a_zeros_table(tmp_path: Path, start: bytes, claims: int | None) -> Path:
+    """A tar.zst of one member, its embedded member table ``start`` then 256 MiB of zeros (a few
+    KB compressed), its seek table claiming ``claims`` bytes for the data frame (None: the truth)."""
     import json
-    import resource
 
     from cdmlfs.formats.tar import EMBEDDED_INDEX_MAGIC, EMBEDDED_INDEX_NIBBLE
     from cdmlfs.zstd_seekable import seek_table_frame, skippable_frame
@@ -1281,12 +1278,25 @@ def test_an_embedded_index_that_decodes_past_what_the_stream_can_hold_is_not_dec
     data = tar.getvalue()
     frame = zstandard.ZstdCompressor().compress(data)
     zeros = zstandard.ZstdCompressor(level=1).compressobj()
-    body = b"".join([zeros.compress(bytes(1 << 20)) for _ in range(256)]) + zeros.flush()  # 256 MiB
+    body = zeros.compress(start) + b"".join([zeros.compress(bytes(1 << 20)) for _ in range(256)])
+    body += zeros.flush()
     header = json.dumps({"crc32": zlib.crc32(body), "length": len(body)}).encode()
     index = skippable_frame(EMBEDDED_INDEX_MAGIC + struct.pack("<I", len(header)) + header + body,
                             EMBEDDED_INDEX_NIBBLE)  # fmt: skip
     archive = tmp_path / "bomb.tar.zst"
-    archive.write_bytes(frame + index + seek_table_frame([(len(frame), len(data)), (len(index), 0)]))
+    sizes = [(len(frame), len(data) if claims is None else claims), (len(index), 0)]
+    archive.write_bytes(frame + index + seek_table_frame(sizes))
+    return archive
+
+
+def test_an_embedded_index_that_decodes_past_what_the_stream_can_hold_is_not_decoded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A few KB of payload (1 GiB of zeros, compressed) were decoded whole before their size was
+    checked against a fixed 4 GiB: a small file took a GB of memory to open."""
+    import resource
+
+    archive = _archive_with_a_zeros_table(tmp_path, b"", claims=None)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with caplog.at_level(logging.WARNING), Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
         assert ar.read("a.txt") == b"abc"  # scanned instead
@@ -1306,27 +1316,10 @@ def test_an_embedded_index_is_not_decoded_past_its_own_header_or_a_sane_ratio(
     import json
     import resource
 
-    from cdmlfs.formats.tar import EMBEDDED_INDEX_MAGIC, EMBEDDED_INDEX_NIBBLE
-    from cdmlfs.zstd_seekable import seek_table_frame, skippable_frame
-
-    tar = io.BytesIO()
-    with tarfile.open(fileobj=tar, mode="w") as tf:
-        info = tarfile.TarInfo("a.txt")
-        info.size = 3
-        tf.addfile(info, io.BytesIO(b"abc"))
-    data = tar.getvalue()
-    frame = zstandard.ZstdCompressor().compress(data)
     table = {"v": 2, "n": members, "links": 0, "stream_size": 0xFFFFFFFF, "crc": 0, "names_bytes": 0,
              "links_bytes": 0}  # fmt: skip
-    zeros = zstandard.ZstdCompressor(level=1).compressobj()
-    body = zeros.compress(json.dumps(table).encode() + b"\n")
-    body += b"".join([zeros.compress(bytes(1 << 20)) for _ in range(256)]) + zeros.flush()  # 256 MiB
-    header = json.dumps({"crc32": zlib.crc32(body), "length": len(body)}).encode()
-    index = skippable_frame(EMBEDDED_INDEX_MAGIC + struct.pack("<I", len(header)) + header + body,
-                            EMBEDDED_INDEX_NIBBLE)  # fmt: skip
-    archive = tmp_path / "bomb.tar.zst"
-    claims = 0xFFFFFFFF  # the seek table lies about the data frame: the stream-size limit is 4 GiB
-    archive.write_bytes(frame + index + seek_table_frame([(len(frame), claims), (len(index), 0)]))
+    # The seek table lies about the data frame: the limit from the stream's size is 4 GiB.
+    archive = _archive_with_a_zeros_table(tmp_path, json.dumps(table).encode() + b"\n", claims=0xFFFFFFFF)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with caplog.at_level(logging.WARNING), pytest.raises(ArchiveFormatError, match="decodes to"):
         Archive(str(archive), index_dir=str(tmp_path / "idx"))  # scanned instead: the lie is found
