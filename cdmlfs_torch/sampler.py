@@ -163,12 +163,17 @@ class ArchiveOrderSampler(Sampler[int]):
 
     # -- Sampler protocol ----------------------------------------------------
     def __iter__(self) -> Iterator[int]:
+        """The rest of this epoch's indices. Not a generator itself: a new pass starts (and
+        ``len()`` is whole again) when it is asked for, not at its first index."""
         if self._pass_done:  # a pass after a finished one starts from the beginning, resumed or not
             self.start_index = 0
             self._pass_done = False
         todo = self.indices()[self.start_index :]
         self._start_pending = False
         self._handed_out = 0
+        return self._hand_out(todo)
+
+    def _hand_out(self, todo: list[int]) -> Iterator[int]:
         for i in todo:
             self._handed_out += 1
             yield i
