@@ -535,9 +535,12 @@ def test_decoding_ahead_leaves_packed_frames_to_the_early_member_path(
         stream = ar.format.stream
         for path in ar.archive_order():
             assert ar.read(path) == (src / path).read_bytes()
-        assert stream.prefetched == 0
+        assert stream.prefetched == 0  # no frame decoded ahead whole
         large = sum(1 for n in stream.frames.dec_size if n >= zstdframes.MIN_FRAME)  # smaller: decoded whole
-        assert stream._frames is not None and stream._frames.early_frames == large > 1
+        # Most large frames are first read as early members. Not necessarily all: when frames
+        # finished in the background still hold the cache's room (a slow or busy machine), a first
+        # reader decodes its frame whole instead (CI once saw 6 of 7).
+        assert stream._frames is not None and 1 <= stream._frames.early_frames <= large and large > 1
 
 
 def test_close_stops_the_worker_before_the_file_closes(
