@@ -95,29 +95,28 @@ def mount_entry(path: str) -> dict[str, str] | None:
     return None
 
 
+def _innermost_mount(target: str, at_it_too: bool) -> dict[str, str] | None:
+    """The mountinfo entry with the longest mount point above ``target`` (or equal to it, with
+    ``at_it_too``); the last of equal ones wins."""
+    found = None
+    for entry in _mounts():
+        mp = entry["mountpoint"]
+        inside = target.startswith(mp.rstrip("/") + "/") or (at_it_too and target == mp)
+        if inside and (found is None or len(mp) >= len(found["mountpoint"])):
+            found = entry
+    return found
+
+
 def enclosing_mount(path: str) -> dict[str, str] | None:
     """The mountinfo entry of the innermost mount holding ``path`` below its mount point, or None
     (``cdmlfs stats MNT/train`` answered "not a cdmlfs mount")."""
-    target = _resolved_above(path)
-    found = None
-    for entry in _mounts():  # the longest mount point above it; the last of equal ones wins
-        mp = entry["mountpoint"]
-        if target.startswith(mp.rstrip("/") + "/") and (found is None or len(mp) >= len(found["mountpoint"])):
-            found = entry
-    return found
+    return _innermost_mount(_resolved_above(path), at_it_too=False)
 
 
 def enclosing_mount_by_name(path: str) -> dict[str, str] | None:
     """The innermost mount whose mount point is ``path`` or above it, by name alone (``path``
     made absolute, no link read): for naming a mount whose daemon does not answer lookups."""
-    target = os.path.abspath(path)
-    found = None
-    for entry in _mounts():
-        mp = entry["mountpoint"]
-        inside = target == mp or target.startswith(mp.rstrip("/") + "/")
-        if inside and (found is None or len(mp) >= len(found["mountpoint"])):
-            found = entry
-    return found
+    return _innermost_mount(os.path.abspath(path), at_it_too=True)
 
 
 def _is_dead(path: str) -> bool:
