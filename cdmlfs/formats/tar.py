@@ -182,6 +182,15 @@ class TarRecords:
         self.lone_zero: int | None = None  # a single zero block followed by more data ended it here
         self.damaged: tuple[int, str] | None = None  # (offset, why): a corrupt header ended it there
 
+    def _stop_at_damage(self, pos: int, exc: th.TarHeaderError, listed: bool) -> None:
+        """A corrupt header at ``pos``: the members before it are sound and listed, as after a
+        cut (tar -x skips on to the next header it can read; we do not guess where that is).
+        Refusing the whole archive lost a dataset to one damaged block; with nothing listed
+        before it (only extension records), it is refused."""
+        if not listed:
+            raise ArchiveFormatError(f"corrupt tar header at offset {pos}: {exc}") from None
+        self.damaged = (pos, str(exc))
+
     def __iter__(self) -> Iterator[tuple[int, str, int, float, int, int, str, array | None]]:
         view = self._view
         pos = 0
@@ -216,12 +225,7 @@ class TarRecords:
             except th.TarHeaderError as exc:
                 if pos == 0:
                     raise ArchiveFormatError(f"not a tar archive ({exc})") from None
-                if not listed:  # only extension records before it: nothing to list
-                    raise ArchiveFormatError(f"corrupt tar header at offset {pos}: {exc}") from None
-                # The members before it are sound: listed, as after a cut (tar -x skips on to the
-                # next header it can read; we do not guess where that is). Refusing the whole
-                # archive lost a dataset to one damaged block.
-                self.damaged = (pos, str(exc))
+                self._stop_at_damage(pos, exc, listed)
                 break
             typeflag = h.typeflag
             if not 0 <= h.size <= MAX_MEMBER_SIZE:
@@ -244,9 +248,7 @@ class TarRecords:
                         if not ext[504]:
                             break
             except th.TarHeaderError as exc:  # a sparse map field that is no number
-                if not listed:  # nothing before it to list
-                    raise ArchiveFormatError(f"corrupt tar header at offset {pos}: {exc}") from None
-                self.damaged = (pos, str(exc))
+                self._stop_at_damage(pos, exc, listed)
                 break
             if typeflag in _META_TYPES:
                 if h.size > MAX_META_MEMBER:
