@@ -73,6 +73,8 @@ def decompress_bounded(
         size = zstandard.frame_content_size(data)
         if size > limit:
             raise ValueError(f"it declares {size} bytes, more than {limit}")
+        if size >= 0 and length_of is None:
+            return zstandard.ZstdDecompressor().decompress(data)
         reader = zstandard.ZstdDecompressor().stream_reader(data)
         out = bytearray()
         if length_of is not None:
@@ -84,8 +86,6 @@ def decompress_bounded(
             if size >= 0 and size != expected:
                 raise ValueError(f"it declares {expected} bytes, its zstd frame {size}")
             limit = expected
-        if size >= 0 and not out:
-            return zstandard.ZstdDecompressor().decompress(data)
         if len(out) > limit:
             raise ValueError(f"it decodes to more than {limit} bytes")
         while chunk := reader.read(min(1 << 20, limit + 1 - len(out))):
