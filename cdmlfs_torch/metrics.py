@@ -8,8 +8,10 @@ amortises it and a short benchmark would otherwise be dominated by it.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -25,9 +27,15 @@ class LoaderMetrics:
         self.startup = 0.0  # starting the pass (the wrapped loader's workers): part of the first wait
         self.end_wait = 0.0  # the call that found the pass over (workers shutting down)
 
-    def add_startup(self, seconds: float) -> None:
-        """Time spent starting the pass before the first ``next()``: the consumer waited for it."""
-        self.startup += seconds
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[None]:
+        """Times starting the pass before the first ``next()`` (the wrapped loader's workers):
+        the consumer waits for it, so it counts in the first wait."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.startup += time.perf_counter() - started
 
     def add_wait(self, seconds: float) -> None:
         """Record one batch's wait; call it just before handing the batch out."""

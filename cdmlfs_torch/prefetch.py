@@ -221,9 +221,8 @@ class _PassThroughIterator:
     def __init__(self, owner: GPUPrefetchLoader, metrics: LoaderMetrics) -> None:
         self._owner = owner
         self._metrics = metrics
-        started = time.perf_counter()
-        self._it = iter(owner.loader)  # starts the workers: the consumer waits for that too
-        metrics.add_startup(time.perf_counter() - started)
+        with metrics.starting():
+            self._it = iter(owner.loader)  # starts the workers
         self._done = False
 
     def __iter__(self) -> _PassThroughIterator:
@@ -247,13 +246,11 @@ class _PassThroughIterator:
 
 
 def _detached(exc: BaseException) -> BaseException:
-    """``exc`` held for later without the frames it passed (``_fill_one``'s holds the look-ahead:
-    a cycle that kept the DataLoader's workers alive after a ``break`` until a collection). Where
-    it came from is still told: its traceback below the frames here is kept."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code in _OWN_FRAMES:
-        tb = tb.tb_next
-    return exc.with_traceback(tb)
+    """``exc`` as ``_Ahead._fill_one`` caught it, held for later without that frame (which holds
+    the look-ahead: a cycle that kept the DataLoader's workers alive after a ``break`` until a
+    collection). Where it came from is still told: the rest of its traceback is kept."""
+    tb = exc.__traceback__  # starts at the frame that caught it
+    return exc.with_traceback(tb.tb_next if tb is not None else None)
 
 
 class _Ahead:
@@ -338,10 +335,9 @@ class _CudaPrefetchIterator:
     def __init__(self, owner: GPUPrefetchLoader, metrics: LoaderMetrics) -> None:
         self._owner = owner
         self._metrics = metrics
-        started = time.perf_counter()
-        side = owner._side_stream()  # made on the first pass
-        source = iter(owner.loader)  # starts the workers: the consumer waits for that too
-        metrics.add_startup(time.perf_counter() - started)
+        with metrics.starting():
+            side = owner._side_stream()  # made on the first pass
+            source = iter(owner.loader)  # starts the workers
         # Items: (device batch, ready event, host batch kept alive until the copy is consumed).
         # The start function must not hold this iterator: a cycle kept the DataLoader's workers
         # (and the batches in flight) alive after a `break` until a garbage collection.
@@ -373,6 +369,3 @@ class _CudaPrefetchIterator:
         map_tensors(dev, hand_over)
         self._metrics.add_wait(time.perf_counter() - t0)
         return dev
-
-
-_OWN_FRAMES = (_Ahead._fill_one.__code__,)

@@ -151,6 +151,17 @@ class Clock:
     def __call__(self) -> float:
         return self.now
 
+    @classmethod
+    def installed(cls, monkeypatch: pytest.MonkeyPatch) -> Clock:
+        """A clock that the loader and its metrics read instead of time.perf_counter."""
+        import cdmlfs_torch.metrics
+        import cdmlfs_torch.prefetch
+
+        clock = cls()
+        for module in (cdmlfs_torch.metrics, cdmlfs_torch.prefetch):
+            monkeypatch.setattr(module, "time", type("FakeTime", (), {"perf_counter": staticmethod(clock)}))
+        return clock
+
 
 class Slow(Dataset):
     def __init__(self, clock: Clock) -> None:
@@ -165,12 +176,7 @@ class Slow(Dataset):
 
 
 def test_metrics_measure_consumer_waits(monkeypatch: pytest.MonkeyPatch) -> None:
-    import cdmlfs_torch.metrics
-    import cdmlfs_torch.prefetch
-
-    clock = Clock()
-    for module in (cdmlfs_torch.metrics, cdmlfs_torch.prefetch):
-        monkeypatch.setattr(module, "time", type("FakeTime", (), {"perf_counter": staticmethod(clock)}))
+    clock = Clock.installed(monkeypatch)
     loader = GPUPrefetchLoader(DataLoader(Slow(clock), batch_size=2), device="cpu")
     assert loader.metrics()["batches"] == 0
     for _ in loader:
@@ -211,12 +217,7 @@ class SlowToStart:
 def test_metrics_count_starting_and_ending_a_pass_as_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
     """Starting the workers happened in iter(), untimed, and the call that found the end was not
     counted: a loop that only waited reported a wait fraction of 0.61."""
-    import cdmlfs_torch.metrics
-    import cdmlfs_torch.prefetch
-
-    clock = Clock()
-    for module in (cdmlfs_torch.metrics, cdmlfs_torch.prefetch):
-        monkeypatch.setattr(module, "time", type("FakeTime", (), {"perf_counter": staticmethod(clock)}))
+    clock = Clock.installed(monkeypatch)
     loader = GPUPrefetchLoader(SlowToStart(clock, 3), device="cpu")
     assert sum(1 for _ in loader) == 3  # nothing but waiting
     m = loader.metrics()
