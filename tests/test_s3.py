@@ -452,6 +452,120 @@ def test_persistent_failure_gives_source_error_in_bounded_time_then_recovers(
         assert remote.read("big/stored.bin") == local.read("big/stored.bin")
 
 
+def test_reads_queued_behind_stalled_requests_still_end_by_the_deadline(
+    localbucket_s3, proxy_to, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More reads than connections, every request stalled: a read queued for a free connection
+    spends its deadline there too. Each queued request used to get a whole deadline once it
+    started, so reads ended in waves, the last after four deadlines here."""
+    import threading
+
+    monkeypatch.setattr(s3mod, "FAILED_RANGE_MEMORY", 0.0)  # the range read at the end failed before
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(random.Random(3).randbytes(40 * MiB))
+    localbucket_s3.put("stall", "blob.bin", blob)
+    proxy = proxy_to(localbucket_s3, stall_seconds=30.0)
+    policy = RetryPolicy(max_attempts=50, base_delay=0.05, max_delay=0.2, deadline=2.0)
+    src = s3mod.S3Object("s3://stall/blob.bin", endpoint_url=proxy.url, retry=policy, read_timeout=1.0)
+    took: list[tuple[float, str]] = []
+    lock = threading.Lock()
+
+    def read(i: int) -> None:
+        started = time.monotonic()
+        try:
+            src.read_at(i * MiB, 64 * 1024)
+            outcome = "read"
+        except SourceError as exc:
+            outcome = str(exc)
+        with lock:
+            took.append((time.monotonic() - started, outcome))
+
+    try:
+        proxy.inject("stall", 10_000)
+        readers = [threading.Thread(target=read, args=(i,)) for i in range(32)]  # 8 foreground workers
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(60)
+        assert len(took) == 32
+        slowest = max(t for t, _ in took)
+        # The deadline, one attempt under way at it (its read timeout), and slack for a busy machine.
+        assert slowest < policy.deadline + 1.0 + 1.5, sorted(took)
+        assert any("waiting for a free connection" in why for _, why in took), took
+        proxy.clear()
+        assert src.read_at(5 * MiB, 100) == blob.read_bytes()[5 * MiB : 5 * MiB + 100]
+    finally:
+        src.close()
+
+
+@pytest.mark.parametrize("fault", ["stall", "drip"])
+def test_closing_a_source_ends_its_requests_under_way(
+    localbucket_s3, proxy_to, tmp_path: Path, fault: str
+) -> None:
+    """A request waiting for reply headers (stall) or receiving a body a few bytes at a time (drip)
+    ends when its source closes: its fetch thread, which interpreter exit (an unmount) waits for,
+    used to go on until the read deadline."""
+    import threading
+
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(random.Random(4).randbytes(2 * MiB))
+    localbucket_s3.put("closing", "blob.bin", blob)
+    proxy = proxy_to(localbucket_s3, stall_seconds=60.0)
+    policy = RetryPolicy(max_attempts=3, deadline=30.0)
+    src = s3mod.S3Object("s3://closing/blob.bin", endpoint_url=proxy.url, retry=policy, read_timeout=20.0)
+    outcome: list[BaseException | bytes] = []
+
+    def read() -> None:
+        try:
+            outcome.append(src.read_at(1 * MiB, 256 * 1024))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    proxy.inject(fault, 1000)
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 10
+        while proxy.stats.faults == 0 and time.monotonic() < deadline:  # our GET reached the proxy
+            time.sleep(0.02)
+        time.sleep(0.5)  # well into the stall / the drip
+        closed_at = time.monotonic()
+        src.close()
+        reader.join(10)
+        assert not reader.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], SourceError), outcome
+        while any(t.name.startswith("cdmlfs-fetch") for t in threading.enumerate()):
+            assert time.monotonic() - closed_at < 3.0, "a fetch thread outlived close() by seconds"
+            time.sleep(0.05)
+    finally:
+        proxy.clear()
+        src.close()
+        reader.join(60)
+
+
+def test_a_dropped_tls_handshake_is_retried_whatever_the_url_says() -> None:
+    """Permanent TLS failures (wrong protocol, a certificate that does not verify) are told by the
+    TLS error, not by the URL around it: a key under "certificates/" made a dropped handshake final."""
+    import ssl
+    import types
+
+    from botocore.exceptions import SSLError
+
+    fake = types.SimpleNamespace(location="s3://b/k")
+    classify = s3mod.S3Object._classify
+    for url in ("https://s3.example.com/b/certificates/shard.zip", "https://hostname-logs.example.com/a.zip"):
+        eof = ssl.SSLEOFError(8, "EOF occurred in violation of protocol")
+        dropped = SSLError(endpoint_url=url, error=eof)
+        with pytest.raises(s3mod._Transient):
+            classify(fake, dropped, opening=False)
+    refused = SSLError(
+        endpoint_url="https://s3.example.com/b/k",
+        error=ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed"),
+    )
+    with pytest.raises(SourceError, match="TLS failed"):
+        classify(fake, refused, opening=False)
+
+
 def test_a_server_that_never_answers_fails_within_the_deadline() -> None:
     """Waiting for a reply's headers is bounded only by the socket timeout (20 s by default): with
     a 2 s deadline, the timeouts shrink to fit it and no attempt starts that could overrun it (it

@@ -33,7 +33,7 @@ class FakeRemote:
         self.fail: set[int] = set()  # starts that fail once
         self._lock = threading.Lock()
 
-    def fetch(self, start: int, end: int) -> bytes:
+    def fetch(self, start: int, end: int, since: float = 0.0) -> bytes:
         with self._lock:
             self.calls.append((start, end))
             self.active += 1
@@ -52,7 +52,7 @@ class FakeRemote:
             with self._lock:
                 self.active -= 1
 
-    def fetch_into(self, start: int, end: int, out: memoryview) -> None:
+    def fetch_into(self, start: int, end: int, out: memoryview, since: float = 0.0) -> None:
         out[:] = self.fetch(start, end)
 
     @property
@@ -181,7 +181,7 @@ def test_failed_prefetch_fails_the_reads_that_waited_and_the_next_read_fetches_a
     gate = threading.Event()
     real_fetch = remote.fetch
 
-    def fetch(start: int, end: int) -> bytes:  # prefetches (past 1 MiB) wait at the gate, then fail
+    def fetch(start: int, end: int, since: float) -> bytes:  # prefetches (past 1 MiB): the gate, then fail
         if start >= MiB and not gate.is_set():
             gate.wait(10)
             raise SourceError(f"injected failure at {start}")
@@ -361,7 +361,7 @@ def test_close_fails_waiters_instead_of_hanging() -> None:
     release = threading.Event()
     started = threading.Event()
 
-    def stuck_fetch(start: int, end: int) -> bytes:  # a GET that never answers until released
+    def stuck_fetch(start: int, end: int, since: float) -> bytes:  # a GET that never answers until released
         started.set()
         release.wait(60)
         return data[start:end]

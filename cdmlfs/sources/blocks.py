@@ -38,6 +38,7 @@ import bisect
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -57,9 +58,12 @@ PENDING = 0  # prefetch queued, no reservation yet: readers cancel it rather tha
 FETCHING = 1  # request running: readers wait for it
 DONE = 2  # bytes are (or were, until evicted) in the cache under the span's key
 
-Fetch = Callable[[int, int], bytes]
+# fetch(start, end, since): bytes [start, end), or raises. ``since`` is when a read first asked
+# for them (time.monotonic()): a request queued for a free worker has spent that much of the
+# read's deadline already (a prefetch's read begins when its request starts).
+Fetch = Callable[[int, int, float], bytes]
 _Waiter = tuple["_Span", Future]  # a span being fetched, and the future its readers took when planning
-FetchInto = Callable[[int, int, memoryview], None]  # fills the buffer with bytes [start, end) or raises
+FetchInto = Callable[[int, int, memoryview, float], None]  # fills the buffer with bytes [start, end)
 
 
 @dataclass
@@ -73,11 +77,12 @@ class BlockConfig:
 
 
 class _Span:
-    __slots__ = ("cancelled", "end", "future", "key", "prefetch", "start", "state")
+    __slots__ = ("cancelled", "end", "future", "key", "prefetch", "since", "start", "state")
 
     def __init__(self, tag: object, start: int, end: int, state: int, prefetch: bool) -> None:
         self.start = start
         self.end = end
+        self.since = time.monotonic()  # when a reader asked for it (see Fetch)
         self.key = (tag, start, end)
         self.state = state
         self.prefetch = prefetch
@@ -322,13 +327,15 @@ class BlockLayer:
 
     def _run_foreground(self, span: _Span) -> None:
         try:
-            data = self._fetch(span.start, span.end)
+            data = self._fetch(span.start, span.end, span.since)
+            # In the try too: an exception from a cache hook must not leave the span's readers
+            # waiting on a future nobody settles.
+            cached = self.cache.put(span.key, data)
         except BaseException as exc:
             with self._lock:
                 self._remove_if_indexed(span)
             _settle(span, exc=exc)
             return
-        cached = self.cache.put(span.key, data)
         with self._lock:
             # Closed meanwhile: close() failed this span's readers and cleared the cache of its
             # spans, so bytes put now would stay there. Taken out under the lock close() takes too.
@@ -393,23 +400,24 @@ class BlockLayer:
                 if span.cancelled or self._spans.get(span.start) is not span:
                     return
                 span.state = FETCHING
+            since = time.monotonic()  # no reader waited for it while it was queued
             try:
                 if buffers is not None:
                     if buf is None:
                         buf = bytearray(n)
                     else:
                         self.stats.buffers_reused += 1
-                    self._fetch_into(span.start, span.end, memoryview(buf))
+                    self._fetch_into(span.start, span.end, memoryview(buf), since)
                     data = buf
                 else:
-                    data = self._fetch(span.start, span.end)
+                    data = self._fetch(span.start, span.end, since)
+                room.commit(span.key, data)  # in the try: as in _run_foreground
             except BaseException as exc:
                 log.debug("%s: prefetch of %d-%d failed: %s", self.name, span.start, span.end, exc)
                 with self._lock:
                     self._remove_if_indexed(span)
                 _settle(span, exc=exc)
                 return
-            room.commit(span.key, data)
         finally:
             room.release()
         with self._lock:

@@ -276,7 +276,12 @@ class S3Object:
         return self.bytes_received
 
     def close(self) -> None:
-        self._closed = True  # requests still under way stop at their next attempt
+        # Requests under way end now: a wait for reply headers returns, a body being received has
+        # its socket shut down. They used to go on until the read deadline (a minute by default),
+        # holding a fetch thread that interpreter exit, and so an unmount, waited for.
+        self._closed = True
+        self._waiting.close()
+        self._watchdog.cut(self)
         self._blocks.close()
         with self._client_lock:
             client, self._client = self._client, None
@@ -413,7 +418,7 @@ class S3Object:
                         f"{self.location}: the server ignores Range requests (it sent all of "
                         f"{length} bytes); random access needs ranged GETs"
                     )
-            with self._watchdog.guard(body, deadline):
+            with self._watchdog.guard(body, deadline, owner=self):
                 data = self._read_body(body, length)
         finally:
             body.close()
@@ -429,7 +434,7 @@ class S3Object:
                 crange = resp.get("ContentRange") or ""
                 if not crange.startswith("bytes 0-"):
                     return None
-                with self._watchdog.guard(body, deadline):
+                with self._watchdog.guard(body, deadline, owner=self):
                     data = body.read()
             finally:
                 body.close()
@@ -448,15 +453,18 @@ class S3Object:
             raise _Transient("416 for a suffix range of an object that is not empty")
         return 0, etag, 0, b""
 
-    def _get_range(self, start: int, end: int) -> bytes:
-        """Bytes [start, end) of the version opened, retried; the block layer's fetch function."""
-        return self._ranged_get(start, end, lambda body: self._read_body(body, end - start))
+    def _get_range(self, start: int, end: int, since: float) -> bytes:
+        """Bytes [start, end) of the version opened, retried; the block layer's fetch function.
 
-    def _get_range_into(self, start: int, end: int, out: memoryview) -> None:
+        ``since``: when a read first asked for them (``time.monotonic()``); the read's deadline
+        counts from then, so time spent queued for a free connection is part of it."""
+        return self._ranged_get(start, end, since, lambda body: self._read_body(body, end - start))
+
+    def _get_range_into(self, start: int, end: int, out: memoryview, since: float) -> None:
         """Like ``_get_range``, received straight into ``out`` (the block layer's recycled buffers)."""
-        self._ranged_get(start, end, lambda body: self._read_body_into(body, out))
+        self._ranged_get(start, end, since, lambda body: self._read_body_into(body, out))
 
-    def _ranged_get(self, start: int, end: int, consume):
+    def _ranged_get(self, start: int, end: int, since: float, consume):
         """One ranged GET pinned to the opening ETag, checked, retried; ``consume(body)`` reads the body."""
         if self._changed:
             raise SourceChangedError(self._changed)
@@ -491,13 +499,14 @@ class S3Object:
                 length = resp.get("ContentLength")
                 if length is not None and length != n:  # readinto stops at n: never accept more
                     raise _Transient(f"asked for {n} bytes, the reply says {length}")
-                with self._watchdog.guard(body, deadline):  # a body dripping in never ends otherwise
+                # A body dripping in never ends otherwise.
+                with self._watchdog.guard(body, deadline, owner=self):
                     return consume(body)
             finally:
                 body.close()
 
         try:
-            return self._with_retries(attempt, f"GET bytes={start}-{end - 1}")
+            return self._with_retries(attempt, f"GET bytes={start}-{end - 1}", since)
         except _GaveUp as exc:
             if not self._closed:
                 self._failed_ranges[(start, end)] = (time.monotonic(), str(exc))
@@ -580,12 +589,26 @@ class S3Object:
         if fp.isclosed():  # the body ended where its length said: the connection can serve again
             raw.release_conn()  # (closing the body without this would drop the connection)
 
-    def _with_retries(self, attempt, what: str):
+    def _with_retries(self, attempt, what: str, since: float | None = None):
         """``attempt(deadline)`` until it succeeds or the policy gives up (the deadline is the
-        monotonic time by which the whole read must be over: the body of a reply too)."""
+        monotonic time by which the whole read must be over: the body of a reply too).
+
+        ``since``: when the read began, if before now. A read queued behind others for a free
+        connection spends its budget there too: with a stalled server, reads queued behind the
+        stalled ones each got a whole deadline of their own once they started, and a read took
+        several times ``--read-deadline``. One whose budget is gone fails without a request.
+        """
         policy = self.retry
-        started = time.monotonic()
+        now = time.monotonic()
+        started = now if since is None else min(since, now)
         deadline = started + policy.deadline
+        if now >= deadline:
+            waited = now - started
+            log.warning("%s: %s waited %.1f s for a free connection, giving up", self.location, what, waited)
+            raise SourceError(
+                f"{self.location}: {what} gave up after {waited:.1f} s waiting for a free connection "
+                "(the requests ahead of it were slow)"
+            )
         failures = 0
         while True:
             self.requests += 1  # an attempt after close is refused by _s3()
@@ -666,7 +689,9 @@ class S3Object:
                 f"{self.location}: no AWS credentials found (set AWS_PROFILE/--profile or the AWS_* "
                 "environment variables; public buckets: --no-sign-request)"
             ) from None
-        if isinstance(exc, SSLError) and _PERMANENT_TLS.search(str(exc)):
+        # Matched against the TLS error itself: the message around it quotes the request URL, whose
+        # bucket or key may well say "certificate" (a dropped handshake there failed unretried).
+        if isinstance(exc, SSLError) and _PERMANENT_TLS.search(str(exc.kwargs.get("error", exc))):
             # These fail the same way every time (https to a plain-http port, a certificate that
             # does not verify): retrying only delays the message. A dropped handshake is retried.
             raise SourceError(f"{self.location}: TLS failed ({_redact(str(exc))})") from None
@@ -782,11 +807,21 @@ MAX_STUCK = 64  # requests of one object left waiting for replies (one thread ea
 
 
 class _StuckCount:
-    """How many of an object's requests are still waiting for a reply nobody waits for any more."""
+    """An object's requests: how many are still waiting for a reply nobody waits for any more, and
+    the ones waited for now (closing the object stops those waits at once)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.stuck = 0
+        self.live: set[_Request] = set()
+        self.closed = False
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            live, self.live = self.live, set()
+        for request in live:
+            request.wake.set()
 
 
 class _Request:
@@ -801,6 +836,7 @@ class _Request:
         self.params = params
         self._waiting = waiting
         self._done = threading.Event()
+        self.wake = threading.Event()  # the call ended, or its object was closed
         self._abandoned = False
         self._value = None
         self._error: BaseException | None = None
@@ -818,6 +854,7 @@ class _Request:
             self._error = exc
         with self._waiting.lock:
             self._done.set()
+            self.wake.set()
             late = self._abandoned
             if late:
                 self._waiting.stuck -= 1
@@ -830,11 +867,24 @@ class _Request:
         return self._abandoned
 
     def result(self, deadline: float):
-        if not self._done.wait(max(0.0, deadline - time.monotonic())):
-            with self._waiting.lock:
+        waiting = self._waiting
+        with waiting.lock:
+            if waiting.closed:
+                self.wake.set()
+            else:
+                waiting.live.add(self)
+        try:
+            self.wake.wait(max(0.0, deadline - time.monotonic()))
+        finally:
+            with waiting.lock:
+                waiting.live.discard(self)
+        if not self._done.is_set():
+            with waiting.lock:
                 if not self._done.is_set():
                     self._abandoned = True
-                    self._waiting.stuck += 1
+                    waiting.stuck += 1
+                    if waiting.closed:
+                        raise _Transient("the source was closed")
                     raise _Transient("no reply headers within the read timeout")
         if self._error is not None:
             raise self._error

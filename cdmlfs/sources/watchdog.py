@@ -49,24 +49,34 @@ class Watchdog:
         """Fresh state (also in a forked child: the parent's thread and its lock stay behind)."""
         self._cv = threading.Condition()
         self._heap: list[tuple[float, int]] = []
-        self._live: dict[int, socket.socket] = {}
+        self._live: dict[int, tuple[socket.socket, object]] = {}  # key: (socket, owner)
         self._pid = 0
 
     @contextlib.contextmanager
-    def guard(self, body: object, deadline: float) -> Iterator[None]:
-        """Bound the reading of ``body`` by ``deadline`` (a ``time.monotonic()`` value)."""
+    def guard(self, body: object, deadline: float, owner: object = None) -> Iterator[None]:
+        """Bound the reading of ``body`` by ``deadline`` (a ``time.monotonic()`` value), or until
+        :meth:`cut` is called with the same ``owner``."""
         sock = body_socket(body)
         if sock is None:  # another HTTP stack: only its per-read timeout applies
             yield
             return
-        key = self._add(sock, deadline)
+        key = self._add(sock, deadline, owner)
         try:
             yield
         finally:
             with self._cv:
                 self._live.pop(key, None)
 
-    def _add(self, sock: socket.socket, deadline: float) -> int:
+    def cut(self, owner: object) -> None:
+        """Shut down now the sockets of bodies being read for ``owner`` (it was closed)."""
+        with self._cv:
+            keys = [key for key, (_, who) in self._live.items() if who is owner]
+            socks = [self._live.pop(key)[0] for key in keys]
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _add(self, sock: socket.socket, deadline: float, owner: object = None) -> int:
         with self._cv:
             if self._pid != os.getpid():  # first use, or a forked child: the thread is not there
                 self._pid = os.getpid()
@@ -74,7 +84,7 @@ class Watchdog:
                 self._live.clear()
                 threading.Thread(target=self._run, name="cdmlfs-deadlines", daemon=True).start()
             key = next(self._ids)
-            self._live[key] = sock
+            self._live[key] = (sock, owner)
             heapq.heappush(self._heap, (deadline, key))
             self._cv.notify()
             return key
@@ -93,7 +103,7 @@ class Watchdog:
                     self._cv.wait(left)
                     continue
                 heapq.heappop(self._heap)
-                sock = self._live.pop(key)
+                sock = self._live.pop(key)[0]
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
                 log.debug("cut off a reply body still arriving at its deadline")
