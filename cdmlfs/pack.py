@@ -319,31 +319,38 @@ def _as_they_are_now(entries: Iterable[PackEntry]) -> Iterator[PackEntry]:
     The listing is made before anything is written (for the progress total); a pack
     can take hours. A file removed since is left out (it was packed as zeros of its
     listed size), one replaced is packed as the new file with its own size and times.
-    A hard link whose first name went is packed as the file in its place.
+    A hard link is checked too: one replaced by another file is packed as that file
+    (it was packed as a link to its old first name, with that name's bytes), and when
+    the first name of its inode went (removed, or replaced by another file), the first
+    of its links still there is packed as the file and the others link to it.
     """
-    stand_in: dict[str, str | None] = {}  # first name gone -> the link packed as the file instead
+    carrier: dict[str, str | None] = {}  # first name gone -> the link packed with its bytes (None: none yet)
     for entry in entries:
-        first = entry.name
-        if entry.kind == HARDLINK and entry.link in stand_in:
-            first = entry.link
-            if stand_in[first] is not None:
-                yield entry._replace(link=stand_in[first])
-                continue
-            entry = entry._replace(kind=FILE, link="")
         chunks = entry.read
-        if isinstance(chunks, _FileChunks) and entry.kind in (FILE, HARDLINK):
-            listed = chunks.ident
-            st = chunks.restat()
-            if st is None:
-                stand_in.setdefault(first, None)
-                continue
-            if first != entry.name:
-                stand_in[first] = entry.name
-            elif (st.st_dev, st.st_ino) != listed:  # replaced (saved by rename): its links keep the
-                stand_in.setdefault(first, None)  # old bytes, so the first of them carries them
-            mode = statmod.S_IMODE(st.st_mode)
-            entry = entry._replace(size=st.st_size, mode=mode, mtime=st.st_mtime)
-            entry = entry._replace(uid=st.st_uid, gid=st.st_gid)
+        if not (isinstance(chunks, _FileChunks) and entry.kind in (FILE, HARDLINK)):
+            yield entry
+            continue
+        listed = chunks.ident
+        st = chunks.restat()  # also what a link's own bytes are checked against (a ZIP reads them)
+        if st is None:
+            if entry.kind == FILE:
+                carrier.setdefault(entry.name, None)
+            continue
+        same = (st.st_dev, st.st_ino) == listed
+        entry = entry._replace(size=st.st_size, mode=statmod.S_IMODE(st.st_mode), mtime=st.st_mtime)
+        entry = entry._replace(uid=st.st_uid, gid=st.st_gid)
+        if entry.kind == FILE:
+            if not same:  # replaced (saved by rename): its links keep the old bytes, the first carries them
+                carrier.setdefault(entry.name, None)
+        elif not same:  # this name now holds another file: packed as itself
+            entry = entry._replace(kind=FILE, link="")
+        elif entry.link in carrier:
+            target = carrier[entry.link]
+            if target is None:
+                carrier[entry.link] = entry.name
+                entry = entry._replace(kind=FILE, link="")
+            else:
+                entry = entry._replace(link=target)
         yield entry
 
 

@@ -1165,6 +1165,47 @@ def test_files_are_packed_as_they_are_when_their_turn_comes(tmp_path: Path) -> N
     assert os.stat(unpacked / "c_link").st_ino == os.stat(unpacked / "b_link").st_ino
 
 
+@pytest.mark.parametrize("fmt", ["tar", "zip"])
+def test_hard_links_are_packed_as_they_are_when_their_turn_comes(tmp_path: Path, fmt: str) -> None:
+    """A hard link replaced by another file after the listing was still packed as a link to its
+    old first name (that name's bytes, exit 0); a link handed to a stand-in for a removed first
+    name was never looked at again: a ZIP read it and called it changed (the unlink had moved
+    the inode's ctime), a tar linked it whatever had become of it."""
+    import tarfile
+
+    from cdmlfs.pack import _as_they_are_now, _PlainTarSink, entries_from_directory, write_tar, write_zip
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes(b"OLD")
+    os.link(src / "a", src / "z_b")  # z_b: replaced by another file before its turn
+    (src / "f_first").write_bytes(b"kept bytes")
+    os.link(src / "f_first", src / "g_link")
+    os.link(src / "f_first", src / "h_link")
+    changed: list[str] = []
+    listed = entries_from_directory(str(src), changed=changed)
+    (src / "z_b.new").write_bytes(b"NEW-CONTENT")
+    os.replace(src / "z_b.new", src / "z_b")
+    (src / "f_first").unlink()  # g_link carries the bytes now; h_link links to it, unchanged
+    out = tmp_path / f"o.{fmt}"
+    if fmt == "tar":
+        with open(out, "wb") as f:
+            write_tar(_as_they_are_now(listed), _PlainTarSink(f), None, None)
+        with tarfile.open(out) as tf:
+            assert tf.getmember("z_b").isfile() and tf.extractfile("z_b").read() == b"NEW-CONTENT"
+            assert tf.extractfile("a").read() == b"OLD"
+            assert tf.getmember("g_link").isfile() and tf.extractfile("g_link").read() == b"kept bytes"
+            link = tf.getmember("h_link")
+            assert link.islnk() and link.linkname == "g_link"
+    else:
+        with open(out, "wb") as f:
+            write_zip(_as_they_are_now(listed), f, 6, None, 0)
+        with zipfile.ZipFile(out) as zf:
+            assert zf.read("z_b") == b"NEW-CONTENT" and zf.read("a") == b"OLD"
+            assert zf.read("g_link") == zf.read("h_link") == b"kept bytes"
+    assert changed == [str(src / "f_first")], changed  # only the file that went: said once (exit 1)
+
+
 def test_a_file_that_shrinks_is_counted_once(tmp_path: Path) -> None:
     """Truncated after its header was written: warned as changed and as shrunk, counted twice
     ("2 files changed while being packed" for one file)."""
