@@ -21,7 +21,14 @@ from typing import Any
 from cdmlfs_torch import handles
 from cdmlfs_torch._compat import Dataset
 from cdmlfs_torch.loaders import default_loader
-from cdmlfs_torch.roots import ArchiveTree, SampleNotFoundError, Tree, resolve_root, sample_errors
+from cdmlfs_torch.roots import (
+    ArchiveTree,
+    SampleNotFoundError,
+    Tree,
+    positions_by_archive,
+    resolve_root,
+    sample_errors,
+)
 
 try:  # torchvision's classes as bases where installed (see the module docstring)
     from torchvision.datasets import DatasetFolder as _DatasetFolderBase
@@ -112,6 +119,7 @@ def make_dataset(
     assert is_valid_file is not None
     instances: list[tuple[str, int]] = []
     found: set[str] = set()
+    first: str | None = None  # the first path is_valid_file was given (shown if it took none)
     for target_class in sorted(class_to_idx):
         class_index = class_to_idx[target_class]
         target_dir = tree.join(tree.root_path, target_class)
@@ -120,6 +128,7 @@ def make_dataset(
         for dirpath, _, fnames in sorted(tree.walk(target_dir)):
             for fname in sorted(fnames):
                 path = tree.join(dirpath, fname)
+                first = path if first is None else first
                 try:
                     valid = is_valid_file(path)
                 except FileNotFoundError as exc:  # Image.open(path).verify() on "data.zip::a/b.jpg"?
@@ -135,10 +144,11 @@ def make_dataset(
         if extensions is not None:
             shown = extensions if isinstance(extensions, str) else ", ".join(extensions)
             msg += f"Supported extensions are: {shown}"
-        elif not instances and isinstance(tree, ArchiveTree):  # it took none: "Image.open(p).verify()"?
+        elif not instances and first is not None and isinstance(tree, ArchiveTree):
+            # It took none: "Image.open(p).verify()" in a try that returns False on any error?
             msg += (
-                f"is_valid_file was given archive sample paths ({tree.root_path}/...): it must read "
-                "them with cdmlfs_torch.open_sample(path), not open() or Image.open(path)"
+                f"is_valid_file took none of the archive's samples, given as paths such as {first!r}: "
+                "if it opens them, it must use cdmlfs_torch.open_sample(path), not open() or Image.open(path)"
             )
         raise FileNotFoundError(msg)
     return instances
@@ -277,8 +287,15 @@ class ArchiveDatasetFolder(_DatasetFolderBase):  # type: ignore[misc,valid-type]
         return self.tree.relpath(self.samples[index][0])
 
     def archive_positions(self) -> list[int]:
-        """Per sample, where its bytes lie in the archive: :class:`ArchiveOrderSampler` reads this."""
-        return self.tree.archive_positions([path for path, _ in self.samples])
+        """Per sample, where its bytes lie in the archive: :class:`ArchiveOrderSampler` reads this.
+
+        Samples a subclass's hooks listed (from a manifest, say) never had the root opened, and
+        may lie in other archives than the root: they are ranked archive by archive.
+        """
+        paths = [path for path, _ in self.samples]
+        if isinstance(self._tree, ArchiveTree):
+            return self._tree.archive_positions(paths)
+        return positions_by_archive(paths, **self._tree_options)
 
     def extract(self, index: int, dest: str | os.PathLike) -> str:
         """Copy sample ``index`` to ``dest/<relative path>`` to look at it; returns the file's path."""

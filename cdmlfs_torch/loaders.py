@@ -43,9 +43,13 @@ def pil_loader(path: str | os.PathLike) -> Any:
     The whole member is read in one call and decoded from memory: images are
     small, and one read beats PIL's many small reads through a file object.
     """
+    return _pil_rgb(read_sample(path), path)
+
+
+def _pil_rgb(data: bytes, path: str | os.PathLike) -> Any:
+    """``data`` (the bytes of sample ``path``) decoded by PIL, in RGB; an unreadable one's error names it."""
     from PIL import Image, UnidentifiedImageError
 
-    data = read_sample(path)
     try:
         img = Image.open(io.BytesIO(data))
     except UnidentifiedImageError as exc:  # name the sample, as PIL does for a file opened by path
@@ -59,27 +63,27 @@ PNG_BIT_DEPTH_AT = 24  # signature, IHDR length and type, width, height: then th
 
 
 def _torchvision_decodes(head: bytes) -> bool:
-    """JPEG, 8-bit PNG, GIF and WebP: what ``torchvision.io.decode_image`` gives as PIL's loader does.
+    """JPEG, 8-bit PNG and WebP: what ``torchvision.io.decode_image`` gives as PIL's loader does.
 
     16-bit PNGs are left to PIL: ``convert("RGB")`` clips grey levels at 255 and keeps
-    the high byte of colour ones, and the two loaders must give the same pixels.
+    the high byte of colour ones, and the two loaders must give the same pixels. So are
+    GIFs: torchvision colours a transparent palette index otherwise than PIL does.
     """
     if head.startswith(PNG_SIGNATURE):
         return len(head) > PNG_BIT_DEPTH_AT and head[PNG_BIT_DEPTH_AT] <= 8
-    return head.startswith((b"\xff\xd8\xff", b"GIF87a", b"GIF89a")) or (
-        head[:4] == b"RIFF" and head[8:12] == b"WEBP"
-    )
+    return head.startswith(b"\xff\xd8\xff") or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")
 
 
 def tensor_loader(path: str | os.PathLike) -> Any:
     """Decode an image into a uint8 ``C,H,W`` RGB tensor, for ``torchvision.transforms.v2`` pipelines.
 
-    JPEG, 8-bit PNG, GIF and WebP go through ``torchvision.io.decode_image`` (for JPEG,
+    JPEG, 8-bit PNG and WebP go through ``torchvision.io.decode_image`` (for JPEG,
     libjpeg-turbo straight into a tensor, skipping PIL's image object and its
     conversions: a RandomResizedCrop + flip pipeline then costs about 1.1 ms of
     CPU per ImageNet-sized JPEG instead of 1.8 ms with PIL, which is what keeps a
-    fast GPU fed when decoding is the bottleneck). The other ImageFolder formats
-    (BMP, TIFF, PPM/PGM, 16-bit PNG) are decoded by PIL and converted, so any tree
+    fast GPU fed when decoding is the bottleneck). The other formats (BMP, TIFF,
+    PPM/PGM, GIF, 16-bit PNG), and files torchvision refuses but PIL reads (an
+    animated WebP: its first frame), are decoded by PIL and converted, so any tree
     that ``ImageFolder`` accepts works, with the pixels the default loader gives.
     """
     import torch
@@ -89,17 +93,17 @@ def tensor_loader(path: str | os.PathLike) -> Any:
         from torchvision.io import ImageReadMode, decode_image
 
         try:
-            img = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-        except RuntimeError as exc:  # an OSError, as PIL gives: loops that skip bad samples catch that
-            raise OSError(f"cannot decode image file {os.fspath(path)!r}: {exc}") from exc
-        if img.ndim == 4:  # an animated GIF: its first frame, as PIL's loader gives
-            img = img[0]
-        return img
+            return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        except RuntimeError as exc:
+            try:  # what the default loader makes of it (an animated WebP: its first frame)
+                rgb = _pil_rgb(data, path)
+            except OSError:  # an OSError, as PIL gives: loops that skip bad samples catch that
+                raise OSError(f"cannot decode image file {os.fspath(path)!r}: {exc}") from exc
+    else:
+        rgb = _pil_rgb(data, path)
     import numpy as np
-    from PIL import Image
 
-    with Image.open(io.BytesIO(data)) as img:
-        return torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1).contiguous()
+    return torch.from_numpy(np.array(rgb)).permute(2, 0, 1).contiguous()
 
 
 def default_loader(path: str | os.PathLike) -> Any:

@@ -375,6 +375,36 @@ class ArchiveTree(Tree):
         return out
 
 
+def positions_by_archive(paths: list[str], **open_kwargs: Any) -> list[int]:
+    """Sort keys for sample paths that need not share one root (a subclass's hooks read a
+    manifest): archive by archive, in the order each first appears, every archive's samples in
+    its archive order; plain files after them, in list order.
+
+    Why: :class:`ArchiveOrderSampler` asked the dataset's root for positions, and a root that
+    is a manifest file (no folder, no archive) raised; a directory holding one gave list order.
+    """
+    by_location: dict[str, list[int]] = {}
+    plain: list[int] = []
+    for i, path in enumerate(paths):
+        split = split_sample_path(path) if SEP in path else None
+        if split is None:
+            plain.append(i)
+        else:
+            by_location.setdefault(split[0], []).append(i)
+    keys = [0] * len(paths)
+    base = 0
+    for location, members in by_location.items():
+        tree = ArchiveTree(location, "", **open_kwargs)
+        ranks = tree.archive_positions([paths[i] for i in members])
+        for i, rank in zip(members, ranks):
+            keys[i] = base + rank
+        base += max(ranks, default=0) + 1
+    for i in plain:
+        keys[i] = base
+        base += 1
+    return keys
+
+
 def resolve_root(root: str | os.PathLike, **open_kwargs: Any) -> Tree:
     """Parse a dataset root (see the module docstring) into a :class:`Tree`; checks it exists."""
     text = os.path.expanduser(os.fspath(root))

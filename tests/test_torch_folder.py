@@ -280,6 +280,32 @@ def test_tensor_loader_fails_as_pil_loader_does_and_takes_a_gifs_first_frame(tmp
     assert gif.shape == (3, 6, 5) and torch.equal(gif, first)
 
 
+def test_tensor_loader_takes_what_pil_reads_with_pil_pixels_and_names_what_it_cannot(tmp_path: Path) -> None:
+    """An animated WebP (torchvision refuses it, PIL gives its first frame) raised; a GIF with a
+    transparent palette index came out in other colours than the default loader's; a file PIL
+    cannot identify raised an error naming a BytesIO, not the sample."""
+    import io
+
+    frames = [Image.fromarray(np.full((6, 5, 3), v, np.uint8)) for v in (40, 220)]
+    webp = io.BytesIO()
+    frames[0].save(webp, "WEBP", save_all=True, append_images=frames[1:], lossless=True)
+    rng = np.random.default_rng(0)
+    pal = Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).quantize(16)
+    gif = io.BytesIO()
+    pal.save(gif, "GIF", transparency=3)
+    members = {"a/anim.webp": webp.getvalue(), "a/t.gif": gif.getvalue(), "a/junk.png": b"not an image"}
+    z = tmp_path / "imgs.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    for name in ("a/anim.webp", "a/t.gif"):
+        ours = tensor_loader(f"{z}::{name}")
+        default = torch.from_numpy(np.array(pil_loader(f"{z}::{name}"))).permute(2, 0, 1)
+        assert ours.shape == default.shape and torch.equal(ours, default), name
+    with pytest.raises(OSError, match=r"a/junk\.png"):
+        tensor_loader(f"{z}::a/junk.png")
+
+
 def test_whole_archive_and_directory_roots(trees: dict[str, Path]) -> None:
     top = ArchiveImageFolder(str(trees["zip"]), allow_empty=True)  # classes: train, val (empty)
     assert top.classes == ["train", "val"]
@@ -921,6 +947,44 @@ def test_hooks_that_read_a_manifest_never_open_the_root_as_a_folder(tmp_path: Pa
     assert ours[1] == theirs[1] == ("B.JPG", 1)
 
 
+def test_archive_order_of_manifest_samples_spread_over_archives(tmp_path: Path) -> None:
+    """ArchiveOrderSampler asked the dataset's root for archive positions: a root that is a
+    manifest file raised NotADirectoryError, a directory holding one gave list order."""
+    from cdmlfs_torch import ArchiveOrderSampler
+
+    archives = []
+    for k in range(2):
+        path = tmp_path / f"part{k}.zip"
+        with zipfile.ZipFile(path, "w") as zf:
+            for name in ("c.jpg", "a.jpg", "b.jpg"):  # archive order differs from name order
+                zf.writestr(name, f"{k}{name}")
+        archives.append(path)
+    rows = [(f"{archives[k]}::{name}", k) for name in ("a.jpg", "b.jpg", "c.jpg") for k in (1, 0)]
+    rows.append((str(tmp_path / "plain.jpg"), 0))  # a file on disk: after the archives' samples
+    (tmp_path / "plain.jpg").write_text("plain")
+    manifest = tmp_path / "list" / "manifest.csv"
+    manifest.parent.mkdir()
+    manifest.write_text("".join(f"{p},{t}\n" for p, t in rows))
+
+    class Manifest(ArchiveDatasetFolder):
+        def find_classes(self, directory):
+            return ["zero", "one"], {"zero": 0, "one": 1}
+
+        @staticmethod
+        def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+            path = directory if os.path.isfile(directory) else os.path.join(directory, "manifest.csv")
+            return [(p, int(t)) for p, t in (line.rsplit(",", 1) for line in open(path).read().split())]
+
+    for root in (manifest, manifest.parent):  # the manifest itself; a folder holding it
+        ds = Manifest(str(root), loader=lambda p: cdmlfs_torch.open_sample(p).read())
+        order = [ds.samples[i][0] for i in ArchiveOrderSampler(ds, shuffle=False)]
+        # part1 first (its sample comes first in the list), each archive in its own order: c, a, b
+        assert order == [f"{archives[k]}::{n}" for k in (1, 0) for n in ("c.jpg", "a.jpg", "b.jpg")] + [
+            str(tmp_path / "plain.jpg")
+        ], order
+        assert ds[0] == (b"1a.jpg", 1)
+
+
 def test_is_valid_file_that_opens_sample_paths_itself_is_told_what_to_use(trees: dict[str, Path]) -> None:
     """An is_valid_file that lets Image.open's error out got a bare FileNotFoundError on 'x.zip::a.png'."""
     from PIL import UnidentifiedImageError
@@ -938,6 +1002,16 @@ def test_is_valid_file_that_opens_sample_paths_itself_is_told_what_to_use(trees:
     # On a directory the paths are local files: the same function works, as with ImageFolder.
     ours = ArchiveImageFolder(str(trees["extracted"]), is_valid_file=decodes)
     assert ours.samples == ImageFolder(str(trees["extracted"]), is_valid_file=decodes).samples
+
+    def swallows(path: str) -> bool:  # every error is "not valid": it takes none, silently
+        try:
+            return decodes(path)
+        except Exception:
+            return False
+
+    # The hint names a path it was given (it showed "x.zip::/..." for a whole archive's root).
+    with pytest.raises(FileNotFoundError, match=r"is_valid_file took none .* such as '[^']*\.zip::train/"):
+        ArchiveImageFolder(str(trees["zip"]), is_valid_file=swallows)
 
 
 def test_repr_follows_repr_indent(trees: dict[str, Path]) -> None:
