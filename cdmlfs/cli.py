@@ -369,6 +369,10 @@ def _name_failed_write(exc: OSError, where: str) -> None:
 def cmd_extract(args: argparse.Namespace) -> int:
     if os.path.exists(args.directory) and not os.path.isdir(args.directory):
         raise UsageError(f"{args.directory}: not a directory (the -C destination)")
+    if os.path.islink(args.directory) and not os.path.exists(args.directory):  # makedirs: "File exists"
+        raise UsageError(
+            f"{args.directory}: a symlink to {os.readlink(args.directory)!r}, which does not exist"
+        )
     from cdmlfs.archive import stops_extraction
 
     archive = _open_archive(args, cache_size=64 << 20)

@@ -193,6 +193,13 @@ def unmount(path: str, timeout: float = 10.0, lazy: bool = True) -> None:
             exists = True
         if not exists:
             raise UsageError(f"{path}: no such directory")
+        try:  # a folder of a live mount given by mistake: name the mount to unmount
+            above = call_within(lambda: _innermost_mount(target, at_it_too=False), DEAD_PROBE_SECONDS)
+        except TimeoutError:
+            above = None
+        if above is not None and _is_fuse(above["fstype"]):
+            mp = above["mountpoint"]
+            raise UsageError(f"{path}: not a mount point but a folder inside {mp}; run 'cdmlfs umount {mp}'")
         raise UsageError(f"{path}: not mounted")
     if entry is None:  # dead, but not a mount point itself: a path inside a dead mount?
         parent = os.path.dirname(target)

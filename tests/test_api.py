@@ -165,6 +165,10 @@ def test_cli_ls_cat_extract(archive: Path, tmp_path: Path) -> None:
     run_cli("extract", str(archive), "data/random.bin", "ünïcødé", "-C", str(out), check=True)
     assert (out / "data/random.bin").read_bytes() == sample_files()["data/random.bin"]
     assert (out / "ünïcødé/名前.txt").read_bytes() == sample_files()["ünïcødé/名前.txt"]
+    os.symlink("missing-dir", tmp_path / "dangling")  # it said "File exists: dangling"
+    res = run_cli("extract", str(archive), "readme.txt", "-C", str(tmp_path / "dangling"))
+    err = res.stderr.decode().strip()
+    assert res.returncode == 2 and err.endswith("a symlink to 'missing-dir', which does not exist"), err
     res = run_cli("--version", check=True)
     assert b"cdmlfs" in res.stdout and b"inflate" in res.stdout
 

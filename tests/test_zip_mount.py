@@ -567,6 +567,18 @@ def test_umount_refuses_what_is_not_fuse(tmp_path: Path) -> None:
             subprocess.run(["umount", str(target)], check=False)
 
 
+def test_umount_of_a_folder_inside_a_live_mount_names_the_mount(tmp_path: Path, mnt: Path) -> None:
+    """`cdmlfs umount MNT/d` answered "not mounted", as if nothing were mounted there."""
+    good = python_zip(tmp_path / "good.zip", {"d/x.txt": b"x"})
+    with mounted(good, mnt):
+        res = run_cli("umount", str(mnt / "d"))
+        err = res.stderr.decode().strip()
+        assert res.returncode != 0 and f"inside {mnt}; run 'cdmlfs umount {mnt}'" in err, err
+        assert len(err.splitlines()) == 1 and is_mounted(mnt)
+    res = run_cli("umount", str(tmp_path))  # nothing mounted anywhere above: as before
+    assert res.returncode != 0 and "not mounted" in res.stderr.decode()
+
+
 def test_umount_of_a_folder_inside_a_stopped_mount_answers(tmp_path: Path, mnt: Path) -> None:
     """Not a mount point itself, the path was probed with a statvfs without a time limit: inside a
     stopped daemon's mount, `cdmlfs umount` waited for ever."""
