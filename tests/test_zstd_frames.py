@@ -567,6 +567,50 @@ def test_close_stops_the_worker_before_the_file_closes(
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
+def test_a_close_landing_inside_a_finishing_step_logs_no_error(
+    packed: Path, src: Path, tmp_path: Path, decoder: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """close() between the background thread's check and its step: the step refused to read on
+    (the archive was closed) and the thread logged "finishing ... failed" with a traceback."""
+    import threading
+
+    ar = Archive(str(packed), index_dir=str(tmp_path / "idx"))
+    worker = ar.format.stream._frames
+    assert worker is not None
+    closing: list[threading.Thread] = []
+    real = {cls: cls.advance for cls in (zstdframes._NativeDecode, zstdframes._PyDecode)}
+
+    def close_first(self, upto: int) -> None:
+        if threading.current_thread() is worker._thread and not closing:
+            closing.append(threading.Thread(target=ar.close))  # close() waits for this step
+            closing[0].start()
+            deadline = time.monotonic() + 10
+            while not worker.closed and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return real[type(self)](self, upto)
+
+    fr = ar.format.stream.frames
+    first = next(i for i in range(len(fr)) if fr.dec_size[i] >= zstdframes.MIN_FRAME)
+    with caplog.at_level(logging.DEBUG, logger="cdmlfs"):
+        try:
+            for cls in real:
+                cls.advance = close_first
+            path = _members_of_frame(ar, first)[0]
+            assert ar.read(path) == (src / path).read_bytes()  # its frame goes to the background
+            deadline = time.monotonic() + 10
+            while not closing and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert closing, "the background thread never took the frame"
+            closing[0].join(10)
+        finally:
+            for cls, fn in real.items():
+                cls.advance = fn
+            ar.close()
+    assert worker._thread is not None and not worker._thread.is_alive()
+    assert ar.cache.held == ar.cache.reserved == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
 def test_close_that_gives_up_on_a_busy_reader_still_frees_its_frame(
     packed: Path, src: Path, tmp_path: Path, decoder: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

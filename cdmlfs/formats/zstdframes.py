@@ -766,6 +766,14 @@ class FrameWorker(Decoders):
             # Its members that were checked on their own were served; the rest get EIO from
             # their own reads (which report it). Nothing of this frame enters the cache.
             log.debug("finishing %s failed: %s", p.where, exc)
+        except SourceError as exc:
+            # The archive closed inside a step (close() waits for it), or a read failed (an S3
+            # GET that gave up): the frame was let go, its next reader decodes it afresh and
+            # reports a failure that lasts. No traceback: nothing is wrong with this code.
+            if self._closed:
+                p.shut(_closed_error(p.where), wait=CLOSE_WAIT)
+            else:
+                log.info("finishing %s stopped: %s (its next reader decodes it again)", p.where, exc)
         except Exception:
             log.exception("finishing %s failed", p.where)
             p.abandon()
