@@ -582,8 +582,9 @@ def test_a_close_landing_inside_a_finishing_step_logs_no_error(
 
     def close_first(self, upto: int) -> None:
         if threading.current_thread() is worker._thread and not closing:
-            closing.append(threading.Thread(target=ar.close))  # close() waits for this step
-            closing[0].start()
+            closer = threading.Thread(target=ar.close)  # close() waits for this step
+            closer.start()
+            closing.append(closer)  # started: the test may join it now
             deadline = time.monotonic() + 10
             while not worker.closed and time.monotonic() < deadline:
                 time.sleep(0.001)
