@@ -136,6 +136,8 @@ class Archive:
                 location = os.path.join(os.path.realpath(head or "."), name)
         self._location = location if isinstance(location, str) else None
         self._cache_size = cache_size
+        if options.get("index_dir"):  # pickled with the options: a worker may run elsewhere
+            options["index_dir"] = os.path.abspath(os.fspath(options["index_dir"]))
         self._options = options
         # Created first: a remote source keeps its fetched blocks in it (one bound for all bytes held).
         self.cache = ExtentCache(cache_size)

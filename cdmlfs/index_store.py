@@ -21,13 +21,15 @@ File layout::
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import stat
 import struct
 import tempfile
+import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import zstandard
 
@@ -47,6 +49,10 @@ VERSION = 5
 HEADER = struct.Struct("<8sHHIQ")
 MAX_INDEX_FILE = 4 << 30
 HEAD_BYTES = 4096  # what decompress_bounded decodes before asking how long the whole is
+STALE_TEMP_SECONDS = 3600  # a temporary file this old was left by a save that was killed
+# No link followed (a link planted in a shared directory), no FIFO waited on, no terminal made
+# the controlling one of a session leader that has none (a container's PID 1).
+_OPEN_FLAGS = os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NOCTTY
 
 
 def default_index_dir() -> str:
@@ -126,16 +132,49 @@ class IndexStore:
                 self.directory = os.path.join(fallback, "index")
 
     def path_for(self, identity: SourceIdentity) -> str:
-        """One file per archive location: the base name (for humans) plus 64 bits of a location hash.
+        """One file per archive location and user: the base name (for humans), 64 bits of a
+        location hash, the user id.
 
         Size and mtime (or ETag) are checked inside the file, so a changed
-        archive's index is overwritten in place instead of piling up.
+        archive's index is overwritten in place instead of piling up. The user id: only a
+        user's own files are trusted, and in a directory shared by users (a sticky /tmp-like
+        one) a second user could neither use nor replace the first one's file, and scanned
+        at every open.
         """
         loc = identity.location.encode("utf-8", "surrogateescape")
         digest = (zlib.crc32(loc) << 32) | zlib.adler32(loc[::-1])
         base = os.path.basename(identity.location.rstrip("/")) or "archive"
         base = "".join(c if c.isalnum() or c in "._-" else "_" for c in base)[:80]
-        return os.path.join(self.directory, f"{base}-{digest:016x}.idx")
+        return os.path.join(self.directory, f"{base}-{digest:016x}-u{os.geteuid()}.idx")
+
+    @contextlib.contextmanager
+    def building(self, identity: SourceIdentity) -> Iterator[None]:
+        """Held while this archive's index is built and saved (an advisory lock beside its file).
+
+        Why: eight training processes (DDP ranks, mounts on one node) opening the same
+        archive for the first time each scanned all of it at once. With the lock, one
+        scans; the others wait, then load what it saved (the caller loads again inside).
+        The kernel drops the lock of a process that dies. No lock can be had (directory
+        not writable): build without one.
+        """
+        path = self.path_for(identity) + ".lock"
+        try:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o600)
+        except OSError:
+            yield
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.warning("%s: another process is indexing it; waiting to use its index", identity.location)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:  # a file system without locks (some network ones): as without a lock
+                pass
+            yield
+        finally:
+            os.close(fd)
 
     def load(self, identity: SourceIdentity, kind: str) -> bytes | None:
         """The payload saved for exactly this identity and kind, or None (absent, stale or corrupt)."""
@@ -143,7 +182,7 @@ class IndexStore:
         try:
             # Non-blocking and regular files only: a FIFO (or a link to /dev/zero) put there would
             # hang the mount or feed it gigabytes.
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
             with open(fd, "rb") as f:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
@@ -169,6 +208,9 @@ class IndexStore:
             return None
         except OSError as exc:
             log.warning("cannot read index file %s (%s): rebuilding the index", path, exc.strerror)
+            return None
+        except MemoryError:  # a huge file under an address-space limit: ours never is (rebuilt)
+            log.warning("index file %s is too large to read here: rebuilding the index", path)
             return None
         try:
             return self._decode(raw, identity, kind)
@@ -222,6 +264,7 @@ class IndexStore:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
             tmp = None
+            self._remove_stale_temps()
         except OSError as exc:
             log.warning(
                 "cannot save the archive index in %s (%s): the next open will scan again",
@@ -234,3 +277,21 @@ class IndexStore:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
         return path
+
+    def _remove_stale_temps(self) -> None:
+        """Temporary files of saves that were killed (OOM killer, a pod's grace period over): each
+        was a whole index, left for ever. This user's own, and old enough that no save is writing."""
+        now = time.time()
+        uid = os.geteuid()
+        with contextlib.suppress(OSError), os.scandir(self.directory) as it:
+            for entry in it:
+                if not (entry.name.startswith(".tmp-") and entry.name.endswith(".idx")):
+                    continue
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    if (
+                        stat.S_ISREG(st.st_mode)
+                        and st.st_uid == uid
+                        and now - st.st_mtime > STALE_TEMP_SECONDS
+                    ):
+                        os.unlink(entry.path)

@@ -108,7 +108,7 @@ def test_index_is_persisted_and_a_second_open_does_not_rescan(tmp_path: Path, ma
         assert ar.format.index_source == "scan"
         names = ar.files()
     assert first.bytes_read >= archive.stat().st_size  # the scan decoded everything once
-    assert len(list(idx.iterdir())) == 1
+    assert len(list(idx.glob("*.idx"))) == 1
     second = CountingSource(archive)
     with Archive(second, index_dir=str(idx)) as ar:
         assert ar.format.index_source == "cache"
@@ -175,7 +175,7 @@ def test_stale_and_corrupt_index_files_are_rebuilt(tmp_path: Path, many_files: P
     idx = tmp_path / "idx"
     with Archive(str(archive), index_dir=str(idx)) as ar:
         assert ar.format.index_source == "scan"
-    (index_file,) = idx.iterdir()
+    (index_file,) = idx.glob("*.idx")  # beside it, a lock file for builders
     good = index_file.read_bytes()
     # Corrupt in several ways: each is detected, rebuilt, and the rebuilt file is valid again.
     for damage in (
@@ -194,7 +194,7 @@ def test_stale_and_corrupt_index_files_are_rebuilt(tmp_path: Path, many_files: P
     os.utime(archive, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     with Archive(str(archive), index_dir=str(idx)) as ar:
         assert ar.format.index_source == "scan"
-    assert [p.name for p in idx.iterdir()] == [index_file.name]
+    assert [p.name for p in idx.glob("*.idx")] == [index_file.name]
     with Archive(str(archive), index_dir=str(idx)) as ar:
         assert ar.format.index_source == "cache"
 
@@ -241,6 +241,170 @@ def test_an_index_file_that_is_a_fifo_does_not_hang(tmp_path: Path, many_files: 
     os.mkfifo(path)
     with Archive(str(archive), index_dir=str(idx)) as ar:  # a blocking open() waited forever here
         assert ar.format.index_source == "scan"
+
+
+def test_processes_opening_an_unindexed_archive_together_scan_it_once(tmp_path: Path) -> None:
+    """Eight DDP ranks opening the same foreign tar.zst for the first time each decoded all of it
+    at once: now one scans, the others wait for its index and load it. (The scan is slowed down
+    through its progress callback, so that the processes surely overlap.)"""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = random.Random(5)
+    for i in range(100):
+        (src / f"f{i:03d}.bin").write_bytes(rng.randbytes(20_000) + bytes(30_000))
+    archive = _single_frame(tmp_path, src)  # needs a scan: one frame, no seek table
+    code = (
+        "import logging, sys, time\n"
+        "from cdmlfs.archive import Archive\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "time.sleep(max(0.0, float(sys.argv[3]) - time.time()))\n"  # all start at the same moment
+        "slow = lambda done, total: time.sleep(0.2)\n"
+        "with Archive(sys.argv[1], index_dir=sys.argv[2], progress=slow) as ar:\n"
+        "    print(ar.format.index_source, len(ar.files()))\n"
+    )
+    start = time.time() + 3.0
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(archive), str(tmp_path / "idx"), str(start)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    got = sorted(out.strip() for out, _ in outs)
+    assert got == ["cache 100"] * 3 + ["scan 100"], outs
+    assert sum("another process is indexing it" in err for _, err in outs) == 3, outs
+
+
+def test_users_sharing_an_index_dir_each_keep_their_own_index(tmp_path: Path, many_files: Path) -> None:
+    """In a shared sticky directory (like /tmp) the index file of a second user of an archive took
+    the first one's name: it was not trusted (another user's), nor could it be replaced (EPERM),
+    so that user scanned at every open."""
+    import shutil
+    import tempfile
+
+    if os.geteuid() != 0:
+        pytest.skip("running as other users needs root")
+    shared = Path(tempfile.mkdtemp(prefix="cdmlfs-shared-", dir="/tmp"))
+    try:
+        os.chmod(shared, 0o1777)
+        data = shared / "data"
+        data.mkdir(mode=0o755)
+        archive = gnu_tar(data / "a.tar", many_files, "pax")
+        os.chmod(archive, 0o644)
+        warm = gnu_tar(tmp_path / "warm.tar", many_files, "pax")  # opened as root: imports done
+        code = (
+            "import os, sys\n"
+            "from cdmlfs.archive import Archive\n"
+            "Archive(sys.argv[3], index_dir=sys.argv[4]).close()\n"
+            "os.setgid(int(sys.argv[1])); os.setuid(int(sys.argv[1]))\n"
+            "for _ in range(2):\n"
+            "    with Archive(sys.argv[2], index_dir=sys.argv[5]) as ar:\n"
+            "        print(ar.format.index_source)\n"
+        )
+        got = {}
+        for uid in (2001, 2002):
+            args = [str(uid), str(archive), str(warm), str(tmp_path / "root-idx"), str(shared)]
+            res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+            got[uid] = res.stdout.split()
+            assert res.returncode == 0, res.stderr
+        assert got == {2001: ["scan", "cache"], 2002: ["scan", "cache"]}, got
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_an_index_dir_given_relative_is_the_same_after_pickling_elsewhere(
+    tmp_path: Path, many_files: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative index_dir was pickled as given: a worker in another working directory scanned
+    again and left an index folder there."""
+    import pickle
+
+    archive = gnu_tar(tmp_path / "a.tar", many_files, "pax")
+    monkeypatch.chdir(tmp_path)
+    with Archive(str(archive), index_dir="rel-idx") as ar:
+        assert ar.format.index_source == "scan"
+        state = pickle.dumps(ar)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    with pickle.loads(state) as again:
+        assert again.format.index_source == "cache"
+    assert not (elsewhere / "rel-idx").exists()
+
+
+def test_a_huge_file_at_the_index_path_is_rebuilt_under_an_address_space_limit(
+    tmp_path: Path, many_files: Path
+) -> None:
+    """A 3.5 GiB file there (under the 4 GiB an index may take) was read whole: under ulimit -v
+    the MemoryError failed the open instead of a rebuild."""
+    archive = gnu_tar(tmp_path / "a.tar", many_files, "pax")
+    idx = tmp_path / "idx"
+    with Archive(str(archive), index_dir=str(idx)) as ar:
+        path = IndexStore(str(idx)).path_for(ar.source.identity)
+    with open(path, "r+b") as f:
+        f.truncate(7 << 29)  # sparse: no disk used
+    code = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+        "from cdmlfs.archive import Archive\n"
+        "with Archive(sys.argv[1], index_dir=sys.argv[2]) as ar:\n"
+        "    print(ar.format.index_source, len(ar.files()))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code, str(archive), str(idx)], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.split()[0] == "scan", res.stderr
+    assert os.path.getsize(path) < 1 << 20  # replaced by the rebuilt index
+
+
+def test_temporary_files_of_killed_saves_are_removed(tmp_path: Path, many_files: Path) -> None:
+    """A save killed (OOM killer, end of a pod's grace period) left its temporary file, a whole
+    index, for ever: old ones of this user are removed by the next save; a fresh one is kept
+    (another process may be writing it)."""
+    archive = gnu_tar(tmp_path / "a.tar", many_files, "pax")
+    idx = tmp_path / "idx"
+    idx.mkdir(mode=0o700)
+    old, fresh = idx / ".tmp-killed1.idx", idx / ".tmp-writing.idx"
+    for leftover in (old, fresh):
+        leftover.write_bytes(bytes(1000))
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    with Archive(str(archive), index_dir=str(idx)) as ar:
+        assert ar.format.index_source == "scan"
+    assert not old.exists() and fresh.exists()
+
+
+def test_index_files_planted_as_links_are_not_followed(tmp_path: Path, many_files: Path) -> None:
+    """A link at the index path was opened through: to a terminal, it became the controlling
+    terminal of a session leader without one (a container's PID 1), which the planter could
+    then signal."""
+    archive = gnu_tar(tmp_path / "a.tar", many_files, "pax")
+    idx = tmp_path / "idx"
+    with Archive(str(archive), index_dir=str(idx)) as ar:
+        identity = ar.source.identity
+    path = IndexStore(str(idx)).path_for(identity)
+    os.unlink(path)
+    code = (
+        "import os, sys\n"
+        "from cdmlfs.index_store import IndexStore\n"
+        "from cdmlfs.sources.base import SourceIdentity\n"
+        "os.setsid()\n"  # a session leader with no terminal
+        "master, slave = os.openpty()\n"
+        "name = os.ttyname(slave)\n"
+        "os.close(slave)\n"
+        "os.symlink(name, sys.argv[2])\n"
+        "IndexStore(sys.argv[1]).load(SourceIdentity(sys.argv[3], int(sys.argv[4]), *sys.argv[5:7]), 'tar')\n"
+        "tty = int(open('/proc/self/stat').read().rsplit(')', 1)[1].split()[4])\n"
+        "print('controlling tty' if tty else 'no tty')\n"
+    )
+    args = [str(idx), path, identity.location, str(identity.size), identity.version, identity.changed]
+    res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+    assert res.stdout.strip() == "no tty", (res.stdout, res.stderr)
+    with Archive(str(archive), index_dir=str(idx)) as ar:  # the link is replaced by a real index
+        assert ar.format.index_source == "scan"
+    assert not os.path.islink(path)
+    with Archive(str(archive), index_dir=str(idx)) as ar:
+        assert ar.format.index_source == "cache"
 
 
 def test_a_saved_index_reopens_under_an_address_space_limit(tmp_path: Path, many_files: Path) -> None:

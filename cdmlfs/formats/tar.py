@@ -525,6 +525,16 @@ class TarFormat:
 
     # -- plain tar ----------------------------------------------------------------------
     def _open_tar(self, progress) -> MemberTable:
+        cached = self._cached_tar()
+        if cached is not None:
+            return cached
+        with self.store.building(self.source.identity):
+            cached = self._cached_tar()  # saved by a process we waited for
+            if cached is not None:
+                return cached
+            return self._scan_tar(progress)
+
+    def _cached_tar(self) -> MemberTable | None:
         payload = self.store.load(self.source.identity, STORE_KIND_TAR)
         if payload is not None:
             try:
@@ -535,6 +545,9 @@ class TarFormat:
                     return members
             except MemberTableError as exc:
                 log.info("ignoring cached index: %s", exc)
+        return None
+
+    def _scan_tar(self, progress) -> MemberTable:
         members = MemberTable()
         view = RawScanView(self.source, progress)
         started = time.monotonic()
@@ -562,9 +575,15 @@ class TarFormat:
                 self.index_source = "embedded"
                 return members, FrameTable.from_frames(seek_frames)
         cached = self._cached_zstd()
-        if cached is not None:
-            self.index_source = "cache"
-            return cached
+        if cached is None:
+            with self.store.building(self.source.identity):
+                cached = self._cached_zstd()  # saved by a process we waited for
+                if cached is None:
+                    return self._scan_zstd(seek_frames, progress)
+        self.index_source = "cache"
+        return cached
+
+    def _scan_zstd(self, seek_frames: list[Frame] | None, progress) -> tuple[MemberTable, FrameTable]:
         # Without a seek table, frames are found as the scan goes: the archive is read once.
         view = ZstdScanView(self.source, seek_frames, progress)
         started = time.monotonic()
