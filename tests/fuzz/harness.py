@@ -97,6 +97,10 @@ class MemoryIndexStore:
         self.saved[(identity.key(), kind)] = payload
         return None
 
+    @contextlib.contextmanager
+    def building(self, identity: SourceIdentity) -> Iterator[None]:
+        yield  # one process: nobody to wait for
+
 
 @contextlib.contextmanager
 def memory_index_store() -> Iterator[type[MemoryIndexStore]]:
