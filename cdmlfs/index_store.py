@@ -265,6 +265,7 @@ class IndexStore:
             os.replace(tmp, path)
             tmp = None
             self._remove_stale_temps()
+            self._remove_unnamed_by_user(path)
         except OSError as exc:
             log.warning(
                 "cannot save the archive index in %s (%s): the next open will scan again",
@@ -295,3 +296,14 @@ class IndexStore:
                         and now - st.st_mtime > STALE_TEMP_SECONDS
                     ):
                         os.unlink(entry.path)
+
+    @staticmethod
+    def _remove_unnamed_by_user(path: str) -> None:
+        """The same archive's index under the name cdmlfs gave it before names carried the user
+        id: never read again, so removed once its successor is saved (when it is ours)."""
+        head, sep, _ = path.rpartition("-u")
+        old = head + ".idx" if sep else ""
+        with contextlib.suppress(OSError):
+            st = os.lstat(old)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                os.unlink(old)

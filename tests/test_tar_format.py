@@ -371,7 +371,15 @@ def test_temporary_files_of_killed_saves_are_removed(tmp_path: Path, many_files:
     os.utime(old, (time.time() - 7200, time.time() - 7200))
     with Archive(str(archive), index_dir=str(idx)) as ar:
         assert ar.format.index_source == "scan"
+        path = IndexStore(str(idx)).path_for(ar.source.identity)
     assert not old.exists() and fresh.exists()
+    # An index saved under the name used before names carried the user id goes once it is replaced.
+    unnamed = path.rpartition("-u")[0] + ".idx"
+    Path(unnamed).write_bytes(Path(path).read_bytes())
+    os.unlink(path)
+    with Archive(str(archive), index_dir=str(idx)) as ar:
+        assert ar.format.index_source == "scan"
+    assert os.path.exists(path) and not os.path.exists(unnamed)
 
 
 def test_index_files_planted_as_links_are_not_followed(tmp_path: Path, many_files: Path) -> None:
