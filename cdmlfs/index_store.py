@@ -30,10 +30,12 @@ import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterator
+from typing import ClassVar
 
 import zstandard
 
-from cdmlfs.errors import UsageError
+from cdmlfs import forksafe
+from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, MemberError, UsageError
 from cdmlfs.safe_write import private_temp_dir
 from cdmlfs.sources.base import SourceIdentity
 
@@ -148,37 +150,45 @@ class IndexStore:
         return os.path.join(self.directory, f"{base}-{digest:016x}-u{os.geteuid()}.idx")
 
     @contextlib.contextmanager
-    def building(self, identity: SourceIdentity) -> Iterator[None]:
+    def building(self, identity: SourceIdentity) -> Iterator[BuildTurn]:
         """Held while this archive's index is built and saved (an advisory lock beside its file).
 
         Why: eight training processes (DDP ranks, mounts on one node) opening the same
         archive for the first time each scanned all of it at once. With the lock, one
         scans; the others wait, then load what it saved (the caller loads again inside).
-        The kernel drops the lock of a process that dies. No lock can be had (directory
-        not writable): build without one.
+        The kernel drops the lock of a process that dies; a forked child lets go of its
+        copy at once (see :class:`_BuildLock`). No lock can be had (directory not
+        writable, a file system without locks): build without one.
+
+        A build that fails on the archive's content (not a tar, corrupt data) leaves a note
+        for the processes that waited meanwhile (:meth:`BuildTurn.raise_noted_failure`): they
+        failed one after another, each after a scan of its own. A later open scans again.
         """
-        path = self.path_for(identity) + ".lock"
+        path = self.path_for(identity)
+        taken = _BuildLock.take(path + ".lock", self.directory, identity.location)
+        lock, waited = taken if taken is not None else (None, False)
+        turn = BuildTurn(path + ".failed", identity, waited)
         try:
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o600)
-        except OSError:
-            yield
-            return
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                log.warning("%s: another process is indexing it; waiting to use its index", identity.location)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError:  # a file system without locks (some network ones): as without a lock
-                pass
-            yield
+            yield turn
+        except (ArchiveFormatError, MemberError) as exc:
+            if lock is not None:
+                turn.note_failure(exc)
+            raise
+        else:
+            turn.clear()
         finally:
-            os.close(fd)
+            if lock is not None:
+                lock.release()
 
     def load(self, identity: SourceIdentity, kind: str) -> bytes | None:
         """The payload saved for exactly this identity and kind, or None (absent, stale or corrupt)."""
         path = self.path_for(identity)
+        got = self._load_path(path, identity, kind)
+        if got is _ABSENT:  # saved before names carried the uid: as good, when it is ours
+            got = self._load_path(_unnamed(path), identity, kind)
+        return None if got is _ABSENT else got  # type: ignore[return-value]
+
+    def _load_path(self, path: str, identity: SourceIdentity, kind: str) -> bytes | object | None:
         try:
             # Non-blocking and regular files only: a FIFO (or a link to /dev/zero) put there would
             # hang the mount or feed it gigabytes.
@@ -205,7 +215,7 @@ class IndexStore:
                 # under an address-space limit (ulimit -v) or strict overcommit.
                 raw = f.read(st.st_size)
         except FileNotFoundError:
-            return None
+            return _ABSENT
         except OSError as exc:
             log.warning("cannot read index file %s (%s): rebuilding the index", path, exc.strerror)
             return None
@@ -300,10 +310,109 @@ class IndexStore:
     @staticmethod
     def _remove_unnamed_by_user(path: str) -> None:
         """The same archive's index under the name cdmlfs gave it before names carried the user
-        id: never read again, so removed once its successor is saved (when it is ours)."""
-        head, sep, _ = path.rpartition("-u")
-        old = head + ".idx" if sep else ""
+        id: read only while no file has the new name, so removed once that is saved (if ours)."""
+        old = _unnamed(path)
+        if old == path:
+            return
         with contextlib.suppress(OSError):
             st = os.lstat(old)
             if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
                 os.unlink(old)
+
+
+_ABSENT = object()  # no file at a path (as opposed to a file that is not usable)
+
+
+def _unnamed(path: str) -> str:
+    """The name an index had before names carried the user id (``...-uUID.idx`` without it)."""
+    head, sep, _ = path.rpartition("-u")
+    return head + ".idx" if sep else path
+
+
+class BuildTurn:
+    """One process's turn at building an index (see :meth:`IndexStore.building`)."""
+
+    _KINDS: ClassVar[dict[str, type[Exception]]] = {
+        "ArchiveFormatError": ArchiveFormatError,
+        "CorruptMemberError": CorruptMemberError,
+    }
+
+    def __init__(self, note: str, identity: SourceIdentity, waited: bool) -> None:
+        self.note = note
+        self.key = identity.key()
+        self.waited = waited  # another process held the lock when this one asked
+
+    def note_failure(self, exc: Exception) -> None:
+        kind = type(exc).__name__ if type(exc).__name__ in self._KINDS else "ArchiveFormatError"
+        text = f"{self.key}\n{kind}\n{exc}"
+        with contextlib.suppress(OSError):
+            fd = os.open(self.note, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _OPEN_FLAGS, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape") as f:
+                f.write(text)
+
+    def clear(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.note)
+
+    def raise_noted_failure(self) -> None:
+        """Raise the failure the process we waited for noted for this very archive, if any."""
+        if not self.waited:
+            return
+        try:
+            fd = os.open(self.note, os.O_RDONLY | _OPEN_FLAGS)
+            with os.fdopen(fd, encoding="utf-8", errors="surrogateescape") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size > 64 << 10:
+                    return
+                key, kind, message = [*f.read().split("\n", 2), "", ""][:3]
+        except OSError:
+            return
+        if key == self.key and kind in self._KINDS:
+            raise self._KINDS[kind](f"{message} (found by another process indexing it at the same time)")
+
+
+class _BuildLock:
+    """An ``flock`` on a lock file, held while one index is built.
+
+    An flock belongs to the open file, which a forked child shares: a DataLoader forked while
+    another thread scanned kept the lock held for the child's whole life (the processes waiting
+    for it waited that long), and a child that opened the same archive waited on its own copy
+    for ever. So a child closes its copy at once (a forksafe hook).
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        forksafe.register(self)
+
+    @classmethod
+    def take(cls, path: str, directory: str, location: str) -> tuple[_BuildLock, bool] | None:
+        """The lock, and whether another process held it first; None: no lock to be had."""
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o600)
+        except OSError:
+            return None
+        waited = False
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.warning("%s: another process is indexing it; waiting to use its index", location)
+                waited = True
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # no locks on this file system (ENOLCK, some network ones): build without
+            os.close(fd)
+            return None
+        except BaseException:  # interrupted while waiting (Ctrl-C)
+            os.close(fd)
+            raise
+        return cls(fd), waited
+
+    def release(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _after_fork_child(self) -> None:
+        self.release()

@@ -373,13 +373,82 @@ def test_temporary_files_of_killed_saves_are_removed(tmp_path: Path, many_files:
         assert ar.format.index_source == "scan"
         path = IndexStore(str(idx)).path_for(ar.source.identity)
     assert not old.exists() and fresh.exists()
-    # An index saved under the name used before names carried the user id goes once it is replaced.
+    # An index saved under the name used before names carried the user id is still used (an
+    # upgrade rescanned every archive), and goes once one under the new name is saved.
     unnamed = path.rpartition("-u")[0] + ".idx"
-    Path(unnamed).write_bytes(Path(path).read_bytes())
-    os.unlink(path)
+    os.replace(path, unnamed)
+    with Archive(str(archive), index_dir=str(idx)) as ar:
+        assert ar.format.index_source == "cache"
+    st = archive.stat()
+    os.utime(archive, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # changed: indexed again
     with Archive(str(archive), index_dir=str(idx)) as ar:
         assert ar.format.index_source == "scan"
     assert os.path.exists(path) and not os.path.exists(unnamed)
+
+
+def test_processes_waiting_for_a_scan_that_fails_fail_with_it(tmp_path: Path) -> None:
+    """The scan the others waited for failed on the archive's content (here: not a tar): each
+    waiter then scanned on its own, one after another (4 processes: failures after 1x, 2x, 3x,
+    4x the scan time). They now fail with the error it noted; a later open scans again."""
+    archive = tmp_path / "notatar.tar.zst"
+    archive.write_bytes(zstandard.ZstdCompressor().compress(os.urandom(200_000)))
+    code = (
+        "import sys, time\n"
+        "from cdmlfs.archive import Archive\n"
+        "from cdmlfs.formats.tar import TarFormat\n"
+        "real = TarFormat._scan_zstd\n"
+        "def slow(self, *a):\n"
+        "    print('scanning', file=sys.stderr, flush=True)\n"
+        "    time.sleep(1.0)\n"
+        "    return real(self, *a)\n"
+        "TarFormat._scan_zstd = slow\n"
+        "time.sleep(max(0.0, float(sys.argv[3]) - time.time()))\n"
+        "try:\n"
+        "    Archive(sys.argv[1], index_dir=sys.argv[2])\n"
+        "except Exception as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+    start = time.time() + 3.0
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(archive), str(tmp_path / "idx"), str(start)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(out.startswith("ArchiveFormatError") and "not a tar" in out for out, _ in outs), outs
+    assert sum(err.count("scanning") for _, err in outs) == 1, outs
+    assert sum("another process indexing it at the same time" in out for out, _ in outs) == 3, outs
+    res = subprocess.run(  # alone, later: its own scan, its own error
+        [sys.executable, "-c", code, str(archive), str(tmp_path / "idx"), "0"], capture_output=True, text=True
+    )
+    assert "scanning" in res.stderr and "another process" not in res.stdout, res
+
+
+def test_a_child_forked_while_an_index_is_built_does_not_hold_the_lock(tmp_path: Path) -> None:
+    """An flock is shared with a forked child: a DataLoader forked while another thread scanned
+    kept the build lock held for its whole life (others waited that long), and a child opening
+    the same archive waited on its own copy for ever."""
+    from cdmlfs.sources.base import SourceIdentity
+
+    store = IndexStore(str(tmp_path / "idx"))
+    identity = SourceIdentity(str(tmp_path / "a.tar.zst"), 1, "v1")
+    with store.building(identity):
+        pid = os.fork()
+        if pid == 0:  # the child: lives on a while, as a DataLoader worker does
+            time.sleep(5)
+            os._exit(0)
+    try:
+        started = time.monotonic()
+        with store.building(identity):  # another open file: waits for every copy of the first
+            waited = time.monotonic() - started
+        assert waited < 2.0, f"waited {waited:.1f} s for the forked child's copy of the lock"
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
 
 
 def test_index_files_planted_as_links_are_not_followed(tmp_path: Path, many_files: Path) -> None:

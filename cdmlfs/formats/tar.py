@@ -528,10 +528,11 @@ class TarFormat:
         cached = self._cached_tar()
         if cached is not None:
             return cached
-        with self.store.building(self.source.identity):
+        with self.store.building(self.source.identity) as turn:
             cached = self._cached_tar()  # saved by a process we waited for
             if cached is not None:
                 return cached
+            turn.raise_noted_failure()  # or that process found the archive unreadable
             return self._scan_tar(progress)
 
     def _cached_tar(self) -> MemberTable | None:
@@ -576,9 +577,10 @@ class TarFormat:
                 return members, FrameTable.from_frames(seek_frames)
         cached = self._cached_zstd()
         if cached is None:
-            with self.store.building(self.source.identity):
+            with self.store.building(self.source.identity) as turn:
                 cached = self._cached_zstd()  # saved by a process we waited for
                 if cached is None:
+                    turn.raise_noted_failure()  # or that process found the archive unreadable
                     return self._scan_zstd(seek_frames, progress)
         self.index_source = "cache"
         return cached

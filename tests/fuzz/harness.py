@@ -37,6 +37,7 @@ from cdmlfs.archive import Archive
 from cdmlfs.errors import CdmlfsError, SourceError
 from cdmlfs.formats import tar as tarfmt
 from cdmlfs.index import DIR, SYMLINK
+from cdmlfs.index_store import BuildTurn
 from cdmlfs.sources.base import SourceIdentity
 from cdmlfs.sources.local import LocalFile
 
@@ -98,8 +99,8 @@ class MemoryIndexStore:
         return None
 
     @contextlib.contextmanager
-    def building(self, identity: SourceIdentity) -> Iterator[None]:
-        yield  # one process: nobody to wait for
+    def building(self, identity: SourceIdentity) -> Iterator[BuildTurn]:
+        yield BuildTurn("", identity, waited=False)  # one process: nobody to wait for
 
 
 @contextlib.contextmanager
