@@ -498,6 +498,32 @@ def test_reads_queued_behind_stalled_requests_still_end_by_the_deadline(
         src.close()
 
 
+def test_a_read_larger_than_one_batch_of_requests_gets_a_deadline_per_batch(
+    localbucket_s3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The parts of one large read queued behind its own first parts counted their wait too: the
+    whole read had to fit in one request's deadline (a 2 GiB member at 35 MB/s, at 60 s)."""
+    blob = tmp_path / "blob.bin"
+    data = random.Random(6).randbytes(32 * MiB)
+    blob.write_bytes(data)
+    localbucket_s3.put("big", "blob.bin", blob)
+    real = s3mod.S3Object._read_body
+
+    def slow_link(self, body, n):  # each 8 MiB part takes 1.5 s to arrive
+        time.sleep(1.5)
+        return real(self, body, n)
+
+    monkeypatch.setattr(s3mod.S3Object, "_read_body", slow_link)
+    policy = RetryPolicy(max_attempts=3, base_delay=0.05, max_delay=0.1, deadline=2.5)
+    # 2 foreground workers, 4 parts: two batches of 1.5 s, each well within 2.5 s
+    url = localbucket_s3.url
+    src = s3mod.S3Object("s3://big/blob.bin", endpoint_url=url, retry=policy, max_connections=4)
+    try:
+        assert src.read_at(0, 32 * MiB) == data
+    finally:
+        src.close()
+
+
 @pytest.mark.parametrize("fault", ["stall", "drip"])
 def test_closing_a_source_ends_its_requests_under_way(
     localbucket_s3, proxy_to, tmp_path: Path, fault: str

@@ -74,6 +74,9 @@ class BlockConfig:
     prefetch_workers: int = 8
     prefetch_headroom: float = 0.5  # no prefetch while reservations fill more than this share of the cache
     readahead: ReadaheadConfig | None = None
+    # Seconds one request may take (the source's read deadline): the parts of one large read
+    # beyond the first batch count theirs from when a worker could first be free for them.
+    request_budget: float | None = None
 
 
 class _Span:
@@ -308,9 +311,15 @@ class BlockLayer:
                 # A header probe that misses: fetch what usually follows it in the same request.
                 limit = min(self.size, offset + expand, self._next_start(end))
                 gaps[-1][1] = max(end, limit)
+            budget = self.config.request_budget
+            workers = max(1, self.config.foreground_workers)
             for lo, hi in gaps:
                 for plo, phi in self._split(lo, hi):
                     span = _Span(self._tag, plo, phi, FETCHING, False)
+                    if budget and len(own) >= workers:
+                        # Queued behind this read's own first parts: a 2 GiB read is not one
+                        # request, and must not fit in one request's deadline.
+                        span.since += (len(own) // workers) * budget
                     self._insert(span)
                     own.append((span, span.future))  # type: ignore[arg-type]
         return pieces, own, waits

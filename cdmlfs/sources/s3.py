@@ -218,7 +218,10 @@ class S3Object:
         self._cache = cache if cache is not None else ExtentCache(PRIVATE_CACHE)
         workers = max(1, max_connections // 2)
         config = BlockConfig(
-            part_size=part_size, foreground_workers=workers, prefetch_workers=max_connections - workers
+            part_size=part_size,
+            foreground_workers=workers,
+            prefetch_workers=max_connections - workers,
+            request_budget=self.retry.deadline,
         )
         self._blocks = BlockLayer(
             self._get_range,
