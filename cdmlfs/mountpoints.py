@@ -197,7 +197,7 @@ def unmount(path: str, timeout: float = 10.0, lazy: bool = True) -> None:
             above = call_within(lambda: _innermost_mount(target, at_it_too=False), DEAD_PROBE_SECONDS)
         except TimeoutError:
             above = None
-        if above is not None and _is_fuse(above["fstype"]):
+        if above is not None and above["fstype"] == "fuse.cdmlfs":  # not the / of fuse-overlayfs
             mp = above["mountpoint"]
             raise UsageError(f"{path}: not a mount point but a folder inside {mp}; run 'cdmlfs umount {mp}'")
         raise UsageError(f"{path}: not mounted")

@@ -579,6 +579,21 @@ def test_umount_of_a_folder_inside_a_live_mount_names_the_mount(tmp_path: Path, 
     assert res.returncode != 0 and "not mounted" in res.stderr.decode()
 
 
+def test_umount_of_a_folder_under_another_fuse_file_system_says_not_mounted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a cdmlfs mount is named: under a root on fuse-overlayfs (rootless containers) the
+    answer was to run 'cdmlfs umount /'."""
+    from cdmlfs import mountpoints
+    from cdmlfs.errors import UsageError
+
+    real = mountpoints._mounts
+    overlay = {"id": "999", "mountpoint": "/", "fstype": "fuse.fuse-overlayfs", "source": "overlay"}
+    monkeypatch.setattr(mountpoints, "_mounts", lambda: [*real(), overlay])
+    with pytest.raises(UsageError, match=r": not mounted$"):
+        mountpoints.unmount(str(tmp_path), lazy=False)
+
+
 def test_umount_of_a_folder_inside_a_stopped_mount_answers(tmp_path: Path, mnt: Path) -> None:
     """Not a mount point itself, the path was probed with a statvfs without a time limit: inside a
     stopped daemon's mount, `cdmlfs umount` waited for ever."""
