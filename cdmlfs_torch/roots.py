@@ -208,6 +208,8 @@ class ArchiveTree(Tree):
         inner = posixpath.normpath("/" + inner).strip("/") if inner.strip("/") else ""
         self.location = location
         self.inner = inner
+        if open_kwargs.get("index_dir"):  # pickled for workers, which may run in another directory
+            open_kwargs = {**open_kwargs, "index_dir": os.path.abspath(os.fspath(open_kwargs["index_dir"]))}
         self.open_kwargs = open_kwargs
         self.root_path = f"{location}{SEP}{inner}"
         self._prefix = f"{location}{SEP}"

@@ -396,6 +396,32 @@ def test_spawned_workers_refuse_an_archive_replaced_after_the_dataset_listed_it(
     assert exc.value.errno == errno.ESTALE and "changed after the dataset listed it" in str(exc.value)
 
 
+def test_a_relative_index_dir_is_the_same_for_workers_in_another_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dataset pickled index_dir as given: a spawned worker running elsewhere indexed the
+    tar again into a folder of its own working directory."""
+    import tarfile
+
+    src = tmp_path / "src" / "cls"
+    src.mkdir(parents=True)
+    for i in range(3):
+        Image.fromarray(np.full((4, 4, 3), 40 * i, np.uint8)).save(src / f"{i}.png")
+    archive = tmp_path / "d.tar"
+    with tarfile.open(archive, "w") as tf:
+        tf.add(src, arcname="cls")
+    monkeypatch.chdir(tmp_path)
+    ds = ArchiveImageFolder(str(archive), open_options={"index_dir": "rel-idx"})
+    state = pickle.dumps(ds)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cdmlfs_torch.handles.close_all()  # as in a spawned worker: no handle open yet
+    again = pickle.loads(state)
+    assert again[0][1] == 0 and again.tree.archive.format.index_source == "cache"
+    assert not (elsewhere / "rel-idx").exists()
+
+
 def test_a_chmod_or_hard_link_of_the_archive_is_no_change(tmp_path: Path) -> None:
     """chmod, chown and a new hard link move the ctime and leave the bytes alone: a spawned worker
     refused every sample with ESTALE (every epoch) after a chmod of the archive mid-training."""
