@@ -231,16 +231,38 @@ def test_an_index_is_not_trusted_for_other_bytes_with_the_same_size_and_mtime(
         assert ar.read("x.txt") == b"XXXXX"
 
 
-def test_an_index_file_that_is_a_fifo_does_not_hang(tmp_path: Path, many_files: Path) -> None:
+def _index_file_removed(tmp_path: Path, many_files: Path):
+    """A tar indexed once, its index file removed: (archive, index dir, identity, index path)."""
     archive = gnu_tar(tmp_path / "a.tar", many_files, "pax")
     idx = tmp_path / "idx"
     with Archive(str(archive), index_dir=str(idx)) as ar:
         identity = ar.source.identity
     path = IndexStore(str(idx)).path_for(identity)
     os.unlink(path)
+    return archive, idx, identity, path
+
+
+def test_an_index_file_that_is_a_fifo_does_not_hang(tmp_path: Path, many_files: Path) -> None:
+    archive, idx, _, path = _index_file_removed(tmp_path, many_files)
     os.mkfifo(path)
     with Archive(str(archive), index_dir=str(idx)) as ar:  # a blocking open() waited forever here
         assert ar.format.index_source == "scan"
+
+
+def _run_together(code: str, archive: Path, idx: Path, n: int = 4) -> list[tuple[str, str]]:
+    """(stdout, stderr) of ``n`` processes running ``code`` with (archive, idx, start time) as
+    arguments; ``code`` waits for the start time, so they all open the archive at once."""
+    start = time.time() + 3.0  # past their imports
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(archive), str(idx), str(start)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(n)
+    ]
+    return [p.communicate(timeout=120) for p in procs]
 
 
 def test_processes_opening_an_unindexed_archive_together_scan_it_once(tmp_path: Path) -> None:
@@ -262,17 +284,7 @@ def test_processes_opening_an_unindexed_archive_together_scan_it_once(tmp_path: 
         "with Archive(sys.argv[1], index_dir=sys.argv[2], progress=slow) as ar:\n"
         "    print(ar.format.index_source, len(ar.files()))\n"
     )
-    start = time.time() + 3.0
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, str(archive), str(tmp_path / "idx"), str(start)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(4)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
+    outs = _run_together(code, archive, tmp_path / "idx")
     got = sorted(out.strip() for out, _ in outs)
     assert got == ["cache 100"] * 3 + ["scan 100"], outs
     assert sum("another process is indexing it" in err for _, err in outs) == 3, outs
@@ -346,13 +358,7 @@ def test_a_huge_file_at_the_index_path_is_rebuilt_under_an_address_space_limit(
         path = IndexStore(str(idx)).path_for(ar.source.identity)
     with open(path, "r+b") as f:
         f.truncate(7 << 29)  # sparse: no disk used
-    code = (
-        "import resource, sys\n"
-        "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
-        "from cdmlfs.archive import Archive\n"
-        "with Archive(sys.argv[1], index_dir=sys.argv[2]) as ar:\n"
-        "    print(ar.format.index_source, len(ar.files()))\n"
-    )
+    code = OPEN_UNDER_3_GIB
     res = subprocess.run([sys.executable, "-c", code, str(archive), str(idx)], capture_output=True, text=True)
     assert res.returncode == 0 and res.stdout.split()[0] == "scan", res.stderr
     assert os.path.getsize(path) < 1 << 20  # replaced by the rebuilt index
@@ -408,17 +414,7 @@ def test_processes_waiting_for_a_scan_that_fails_fail_with_it(tmp_path: Path) ->
         "except Exception as exc:\n"
         "    print(type(exc).__name__, exc)\n"
     )
-    start = time.time() + 3.0
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, str(archive), str(tmp_path / "idx"), str(start)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(4)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
+    outs = _run_together(code, archive, tmp_path / "idx")
     assert all(out.startswith("ArchiveFormatError") and "not a tar" in out for out, _ in outs), outs
     assert sum(err.count("scanning") for _, err in outs) == 1, outs
     assert sum("another process indexing it at the same time" in out for out, _ in outs) == 3, outs
@@ -455,12 +451,7 @@ def test_index_files_planted_as_links_are_not_followed(tmp_path: Path, many_file
     """A link at the index path was opened through: to a terminal, it became the controlling
     terminal of a session leader without one (a container's PID 1), which the planter could
     then signal."""
-    archive = gnu_tar(tmp_path / "a.tar", many_files, "pax")
-    idx = tmp_path / "idx"
-    with Archive(str(archive), index_dir=str(idx)) as ar:
-        identity = ar.source.identity
-    path = IndexStore(str(idx)).path_for(identity)
-    os.unlink(path)
+    archive, idx, identity, path = _index_file_removed(tmp_path, many_files)
     code = (
         "import os, sys\n"
         "from cdmlfs.index_store import IndexStore\n"
@@ -484,18 +475,22 @@ def test_index_files_planted_as_links_are_not_followed(tmp_path: Path, many_file
         assert ar.format.index_source == "cache"
 
 
+# Opens an archive (argv 1, index dir argv 2) under ulimit -v 3 GiB, as on HPC nodes.
+OPEN_UNDER_3_GIB = (
+    "import resource, sys\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+    "from cdmlfs.archive import Archive\n"
+    "with Archive(sys.argv[1], index_dir=sys.argv[2]) as ar:\n"
+    "    print(ar.format.index_source, len(ar.files()))\n"
+)
+
+
 def test_a_saved_index_reopens_under_an_address_space_limit(tmp_path: Path, many_files: Path) -> None:
     """Loading a saved index asked for read(4 GiB) (and the decoder reserved 4 GiB for a frame of
     unstated size): under ulimit -v, as on HPC nodes, every remount was a MemoryError traceback."""
     archive = gnu_tar(tmp_path / "a.tar", many_files, "pax")
     idx = tmp_path / "idx"
-    code = (
-        "import resource, sys\n"
-        "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
-        "from cdmlfs.archive import Archive\n"
-        "with Archive(sys.argv[1], index_dir=sys.argv[2]) as ar:\n"
-        "    print(ar.format.index_source, len(ar.files()))\n"
-    )
+    code = OPEN_UNDER_3_GIB
     runs = [
         subprocess.run([sys.executable, "-c", code, str(archive), str(idx)], capture_output=True, text=True)
         for _ in range(2)
