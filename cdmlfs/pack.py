@@ -64,7 +64,7 @@ from typing import BinaryIO, NamedTuple
 import zstandard
 
 from cdmlfs import inflate, tar_stream
-from cdmlfs.errors import ArchiveFormatError, UsageError
+from cdmlfs.errors import ArchiveFormatError, CdmlfsError, UsageError
 from cdmlfs.formats import tarheader as th
 from cdmlfs.formats.tar import EMBEDDED_INDEX_NIBBLE, encode_embedded_index
 from cdmlfs.formats.tarmembers import HARDLINK, MemberTable
@@ -247,7 +247,10 @@ def _sorted_entries(path: str, changed: list[str] | None = None) -> Iterator[os.
         changed.append(path)
         return iter(())
     except OSError as exc:
-        raise UsageError(f"{path}: cannot list directory ({exc.strerror})") from None
+        if changed is None:  # the source itself: the command's argument
+            raise UsageError(f"{path}: cannot list directory ({exc.strerror})") from None
+        # A folder inside it: a failure of the pack, like an unreadable file (exit 1, not 2).
+        raise CdmlfsError(f"{path}: cannot list directory ({exc.strerror})") from None
 
 
 def entries_from_directory(

@@ -1237,6 +1237,34 @@ def test_a_read_error_names_the_file(tmp_path: Path, mnt: Path) -> None:
     assert not (tmp_path / "o.tar.zst").exists()
 
 
+def test_an_unlistable_folder_inside_the_source_fails_the_pack_not_the_command_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A folder of the tree that cannot be listed exited 2 (a usage error), where an unreadable
+    file exits 1: both are failures of the pack, not of how it was asked for. (Root lists any
+    folder: the refusal is made by os.scandir here.)"""
+    from cdmlfs import cli
+
+    src = tmp_path / "src"
+    (src / "closed").mkdir(parents=True)
+    (src / "ok.txt").write_text("ok")
+    real = os.scandir
+
+    def refuse_closed(path="."):
+        if os.fspath(path) == str(src / "closed"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path)
+
+    monkeypatch.setattr(cli, "_exit_on_termination", lambda: None)  # no signal handlers in pytest
+    monkeypatch.setattr(os, "scandir", refuse_closed)
+    assert cli.main(["pack", "-q", str(src), str(tmp_path / "o.tar")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"cdmlfs: {src / 'closed'}: cannot list directory (Permission denied)", err
+    assert not (tmp_path / "o.tar").exists()
+    monkeypatch.setattr(os, "scandir", lambda path=".": refuse_closed(src / "closed"))  # the source itself
+    assert cli.main(["pack", "-q", str(src), str(tmp_path / "o.tar")]) == 2
+
+
 def test_a_symlink_loop_source_says_so(tmp_path: Path) -> None:
     os.symlink("b", tmp_path / "a")
     os.symlink("a", tmp_path / "b")
