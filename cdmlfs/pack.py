@@ -247,10 +247,10 @@ def _sorted_entries(path: str, changed: list[str] | None = None) -> Iterator[os.
         changed.append(path)
         return iter(())
     except OSError as exc:
-        if changed is None:  # the source itself: the command's argument
-            raise UsageError(f"{path}: cannot list directory ({exc.strerror})") from None
-        # A folder inside it: a failure of the pack, like an unreadable file (exit 1, not 2).
-        raise CdmlfsError(f"{path}: cannot list directory ({exc.strerror})") from None
+        # The source itself is the command's argument (exit 2); a folder inside it fails the pack
+        # like an unreadable file does (exit 1).
+        error = UsageError if changed is None else CdmlfsError
+        raise error(f"{path}: cannot list directory ({exc.strerror})") from None
 
 
 def entries_from_directory(

@@ -55,6 +55,7 @@ import struct
 import time
 from array import array
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from cdmlfs.errors import ArchiveFormatError
 from cdmlfs.formats import tarheader as th
@@ -79,6 +80,7 @@ from cdmlfs.zstd_seekable import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EMBEDDED_INDEX_NIBBLE = 0xC  # skippable magic 0x184D2A5C holds a packed archive's member table
 EMBEDDED_INDEX_MAGIC = b"CDMLFS-MEMBERS\x00\x01"
@@ -523,17 +525,23 @@ class TarFormat:
     def data_offset(self, eid: int) -> int:
         return self.index.offset[eid]
 
+    # -- the persisted index (plain tar and tar.zst) -----------------------------------------
+    def _cached_or_built(self, cached: Callable[[], T | None], build: Callable[[], T]) -> T:
+        """The saved index, else one built here, unless a process building it meanwhile (which
+        this one waits for, see ``IndexStore.building``) saved it or found the archive unreadable."""
+        found = cached()
+        if found is not None:
+            return found
+        with self.store.building(self.source.identity) as turn:
+            found = cached()  # saved by a process we waited for
+            if found is not None:
+                return found
+            turn.raise_noted_failure()  # or that process found the archive unreadable
+            return build()
+
     # -- plain tar ----------------------------------------------------------------------
     def _open_tar(self, progress) -> MemberTable:
-        cached = self._cached_tar()
-        if cached is not None:
-            return cached
-        with self.store.building(self.source.identity) as turn:
-            cached = self._cached_tar()  # saved by a process we waited for
-            if cached is not None:
-                return cached
-            turn.raise_noted_failure()  # or that process found the archive unreadable
-            return self._scan_tar(progress)
+        return self._cached_or_built(self._cached_tar, lambda: self._scan_tar(progress))
 
     def _cached_tar(self) -> MemberTable | None:
         payload = self.store.load(self.source.identity, STORE_KIND_TAR)
@@ -575,15 +583,7 @@ class TarFormat:
             if members is not None:
                 self.index_source = "embedded"
                 return members, FrameTable.from_frames(seek_frames)
-        cached = self._cached_zstd()
-        if cached is None:
-            with self.store.building(self.source.identity) as turn:
-                cached = self._cached_zstd()  # saved by a process we waited for
-                if cached is None:
-                    turn.raise_noted_failure()  # or that process found the archive unreadable
-                    return self._scan_zstd(seek_frames, progress)
-        self.index_source = "cache"
-        return cached
+        return self._cached_or_built(self._cached_zstd, lambda: self._scan_zstd(seek_frames, progress))
 
     def _scan_zstd(self, seek_frames: list[Frame] | None, progress) -> tuple[MemberTable, FrameTable]:
         # Without a seek table, frames are found as the scan goes: the archive is read once.
@@ -656,6 +656,7 @@ class TarFormat:
         except (ValueError, struct.error, ArchiveFormatError) as exc:
             log.info("ignoring cached index: %s; rescanning", exc)
             return None
+        self.index_source = "cache"
         warn_about_end(members, self.source.identity.location)
         return members, frames
 
