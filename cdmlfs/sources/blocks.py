@@ -409,17 +409,17 @@ class BlockLayer:
                 if span.cancelled or self._spans.get(span.start) is not span:
                     return
                 span.state = FETCHING
-            since = time.monotonic()  # no reader waited for it while it was queued
+            span.since = time.monotonic()  # no reader waited for it while it was queued
             try:
                 if buffers is not None:
                     if buf is None:
                         buf = bytearray(n)
                     else:
                         self.stats.buffers_reused += 1
-                    self._fetch_into(span.start, span.end, memoryview(buf), since)
+                    self._fetch_into(span.start, span.end, memoryview(buf), span.since)
                     data = buf
                 else:
-                    data = self._fetch(span.start, span.end, since)
+                    data = self._fetch(span.start, span.end, span.since)
                 room.commit(span.key, data)  # in the try: as in _run_foreground
             except BaseException as exc:
                 log.debug("%s: prefetch of %d-%d failed: %s", self.name, span.start, span.end, exc)
