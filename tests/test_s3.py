@@ -452,6 +452,14 @@ def test_persistent_failure_gives_source_error_in_bounded_time_then_recovers(
         assert remote.read("big/stored.bin") == local.read("big/stored.bin")
 
 
+def _put_blob(endpoint, bucket: str, tmp_path: Path, data: bytes) -> Path:
+    """``data`` as the object ``s3://BUCKET/blob.bin`` (and the local file behind it)."""
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(data)
+    endpoint.put(bucket, "blob.bin", blob)
+    return blob
+
+
 def test_reads_queued_behind_stalled_requests_still_end_by_the_deadline(
     localbucket_s3, proxy_to, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -461,9 +469,7 @@ def test_reads_queued_behind_stalled_requests_still_end_by_the_deadline(
     import threading
 
     monkeypatch.setattr(s3mod, "FAILED_RANGE_MEMORY", 0.0)  # the range read at the end failed before
-    blob = tmp_path / "blob.bin"
-    blob.write_bytes(random.Random(3).randbytes(40 * MiB))
-    localbucket_s3.put("stall", "blob.bin", blob)
+    blob = _put_blob(localbucket_s3, "stall", tmp_path, random.Random(3).randbytes(40 * MiB))
     proxy = proxy_to(localbucket_s3, stall_seconds=30.0)
     policy = RetryPolicy(max_attempts=50, base_delay=0.05, max_delay=0.2, deadline=2.0)
     src = s3mod.S3Object("s3://stall/blob.bin", endpoint_url=proxy.url, retry=policy, read_timeout=1.0)
@@ -503,10 +509,8 @@ def test_a_read_larger_than_one_batch_of_requests_gets_a_deadline_per_batch(
 ) -> None:
     """The parts of one large read queued behind its own first parts counted their wait too: the
     whole read had to fit in one request's deadline (a 2 GiB member at 35 MB/s, at 60 s)."""
-    blob = tmp_path / "blob.bin"
     data = random.Random(6).randbytes(32 * MiB)
-    blob.write_bytes(data)
-    localbucket_s3.put("big", "blob.bin", blob)
+    _put_blob(localbucket_s3, "big", tmp_path, data)
     real = s3mod.S3Object._read_body
 
     def slow_link(self, body, n):  # each 8 MiB part takes 1.5 s to arrive
@@ -533,9 +537,7 @@ def test_closing_a_source_ends_its_requests_under_way(
     used to go on until the read deadline."""
     import threading
 
-    blob = tmp_path / "blob.bin"
-    blob.write_bytes(random.Random(4).randbytes(2 * MiB))
-    localbucket_s3.put("closing", "blob.bin", blob)
+    _put_blob(localbucket_s3, "closing", tmp_path, random.Random(4).randbytes(2 * MiB))
     proxy = proxy_to(localbucket_s3, stall_seconds=60.0)
     policy = RetryPolicy(max_attempts=3, deadline=30.0)
     src = s3mod.S3Object("s3://closing/blob.bin", endpoint_url=proxy.url, retry=policy, read_timeout=20.0)
