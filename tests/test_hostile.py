@@ -16,6 +16,7 @@ import random
 import resource
 import struct
 import subprocess
+import tarfile
 import zlib
 from pathlib import Path
 
@@ -232,16 +233,15 @@ FILE_ABC = th.build_header("f", th.REGTYPE, 3) + b"abc" + bytes(509)
 
 
 @pytest.mark.parametrize(
-    ("typeflag", "skips"),
-    [(th.SYMTYPE, True), (th.CHRTYPE, True), (th.FIFOTYPE, True), (th.LNKTYPE, False), (th.DIRTYPE, False)],
-    ids=["symlink", "chardev", "fifo", "hardlink", "dir"],
+    "typeflag",
+    [th.SYMTYPE, th.CHRTYPE, th.BLKTYPE, th.FIFOTYPE, th.LNKTYPE, th.DIRTYPE],
+    ids=["symlink", "chardev", "blockdev", "fifo", "hardlink", "dir"],
 )
-def test_tar_data_behind_a_typed_header_is_skipped_as_gnu_tar_does(
-    typeflag: bytes, skips: bool, tmp_path: Path
-) -> None:
-    """A symlink, device or fifo header that declares a size: GNU tar skips that many bytes, so a
-    header hidden there is no member for ``tar -x`` and must not replace one here. Hard links and
-    directories carry no data for GNU tar: what follows them is read as headers."""
+def test_a_size_on_a_header_without_data_is_ignored_as_tar_x_does(typeflag: bytes, tmp_path: Path) -> None:
+    """Links, devices, fifos and directories carry no data: a size their header declares is
+    ignored and the next header follows at once, as a full ``tar -x``, bsdtar and Python's tarfile
+    read it. Skipping the size (what ``tar -t`` does) hid the members there: a symlink header whose
+    size gave its target's length lost every member after it."""
     blk = bytearray(_tar_block("odd/" if typeflag == th.DIRTYPE else "odd", typeflag, b"%011o\0" % 1024))
     if typeflag in (th.SYMTYPE, th.LNKTYPE):
         blk[157:165] = b"base.txt"  # link target; checksum again
@@ -249,15 +249,30 @@ def test_tar_data_behind_a_typed_header_is_skipped_as_gnu_tar_does(
         blk[148:156] = b"%06o\0 " % sum(blk)
     odd = bytes(blk)
     hidden = th.build_header("base.txt", th.REGTYPE, 4) + b"EVIL" + bytes(508)
-    blob = th.build_header("base.txt", th.REGTYPE, 4) + b"base" + bytes(508) + odd + hidden + bytes(1024)
+    after = th.build_header("after.txt", th.REGTYPE, 5) + b"after" + bytes(507)
+    base = th.build_header("base.txt", th.REGTYPE, 4) + b"base" + bytes(508)
+    blob = base + odd + hidden + after + bytes(1024)
     path = tmp_path / "t.tar"
     path.write_bytes(blob)
     with Archive(str(path), index_dir=str(tmp_path / "idx")) as ar:
-        assert ar.read("base.txt") == (b"base" if skips else b"EVIL")
+        assert ar.read("base.txt") == b"EVIL"
+        assert ar.read("after.txt") == b"after"
     out = tmp_path / "out"
     out.mkdir()
-    subprocess.run(["tar", "-xf", str(path), "-C", str(out), "base.txt"], check=True)
-    assert (out / "base.txt").read_bytes() == (b"base" if skips else b"EVIL")  # GNU tar agrees
+    subprocess.run(["tar", "-xf", str(path), "-C", str(out)], check=False)  # devices: not as a user
+    assert (out / "base.txt").read_bytes() == b"EVIL"  # GNU tar agrees
+    assert (out / "after.txt").read_bytes() == b"after"
+    with tarfile.open(path) as tf:  # and so does Python
+        assert tf.extractfile("base.txt").read() == b"EVIL"
+
+
+def test_a_base256_number_with_another_first_byte_is_no_number(tmp_path: Path) -> None:
+    """Base-256 fields start with 0x80 (or 0xFF, negative). 0x81 + 5 was read as 5, dropping the
+    first byte's bits; GNU tar, bsdtar and Python's tarfile refuse such a field."""
+    assert th.parse_number(b"\x80" + (5).to_bytes(11, "big")) == 5
+    assert th.parse_number(b"\xff" * 11 + b"\xfe") == -2
+    with pytest.raises(th.TarHeaderError):
+        th.parse_number(b"\x81" + (5).to_bytes(11, "big"))
 
 
 @pytest.mark.parametrize(

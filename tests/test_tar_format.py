@@ -1283,6 +1283,15 @@ def test_absurd_mtimes_become_zero(tmp_path: Path, mtime: bytes) -> None:
         assert ar.read("f") == b"abc"
 
 
+def test_a_pax_mtime_of_any_precision_is_a_time(tmp_path: Path) -> None:
+    """21 digits after the point (more than a double holds) were taken for no time at all."""
+    archive = tmp_path / "m.tar"
+    mtime = b"1234567890.123456789012345678901"
+    archive.write_bytes(_raw_member(b"f", b"%011o\0" % 3, b"abc", pax_record("mtime", mtime)) + bytes(1024))
+    with Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.stat("f").mtime == pytest.approx(1234567890.1234567)
+
+
 def test_frame_claiming_a_huge_content_size_is_refused_or_eio(tmp_path: Path) -> None:
     plain = b"".join(_raw_member(b"f%d" % i, b"%011o\0" % 5, b"hello") for i in range(3)) + bytes(1024)
     frame = bytearray(zstandard.ZstdCompressor(write_content_size=True).compress(plain))

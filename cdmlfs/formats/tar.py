@@ -85,12 +85,15 @@ T = TypeVar("T")
 EMBEDDED_INDEX_NIBBLE = 0xC  # skippable magic 0x184D2A5C holds a packed archive's member table
 EMBEDDED_INDEX_MAGIC = b"CDMLFS-MEMBERS\x00\x01"
 MAX_META_MEMBER = 16 << 20  # longest pax / GNU long-name payload we accept
-STORE_KIND_TAR = "tar/1"
-STORE_KIND_TAR_ZST = "tar.zst/2"  # 2: frame tables say whether their sizes came from a seek table
-# Types whose size field is ignored, as GNU tar 1.34 does: a symlink, device or fifo header that
-# declares a size is followed by that many bytes, which tar skips (a header hidden there is not a
-# member for tar -x, so it must not be one for us either).
-_NO_DATA_TYPES = frozenset((th.LNKTYPE, th.DIRTYPE))
+# Versions of the persisted member tables. tar/2, tar.zst/3: links, devices and fifos carry no data
+# (a table built before could lack the members behind such a header that declared a size).
+STORE_KIND_TAR = "tar/2"
+STORE_KIND_TAR_ZST = "tar.zst/3"  # 2: frame tables say whether their sizes came from a seek table
+# Types whose size field is ignored: the next header follows at once. A full ``tar -x`` (GNU tar
+# 1.34), bsdtar and Python's tarfile all read on there, so members behind a symlink, device or fifo
+# header that declares a size are members (``tar -t``, or ``tar -x`` given names, skip the size
+# instead: GNU tar does not agree with itself, and we go with what extracting the archive makes).
+_NO_DATA_TYPES = frozenset((th.LNKTYPE, th.DIRTYPE, th.SYMTYPE, th.CHRTYPE, th.BLKTYPE, th.FIFOTYPE))
 _META_TYPES = frozenset((th.PAX_LOCAL, th.SOLARIS_PAX, th.PAX_GLOBAL, th.GNU_LONGNAME, th.GNU_LONGLINK))
 _PER_MEMBER_ONLY = frozenset(("path", "linkpath", "size"))
 MAX_MEMBER_SIZE = 1 << 62  # base-256 fields can say more; no stream is that long
@@ -462,7 +465,7 @@ def warn_about_end(members: MemberTable, where: str) -> None:
 
 
 _PAX_SIZE = re.compile(rb"[0-9]{1,20}")
-_PAX_TIME = re.compile(rb"-?[0-9]{1,20}(\.[0-9]{0,20})?")
+_PAX_TIME = re.compile(rb"-?[0-9]{1,20}(\.[0-9]*)?")  # any precision: digits past a double's are moot
 
 
 def _pax_numbers(attrs: dict[str, bytes], size: int, mtime: float, pos: int) -> tuple[int, float]:

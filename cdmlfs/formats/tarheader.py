@@ -61,12 +61,16 @@ def _cstr(field: bytes) -> bytes:
 
 
 def parse_number(field: bytes) -> int:
-    """Octal (NUL/space padded) or GNU base-256 (high bit of the first byte set)."""
+    """Octal (NUL/space padded) or GNU base-256 (first byte 0x80, or 0xFF for a negative number).
+
+    Another first byte with its high bit set is no number for GNU tar, bsdtar or Python's
+    tarfile (its low bits would be part of the value, which the others refuse to guess)."""
     if field[0] & 0x80:
-        value = int.from_bytes(field[1:], "big")
+        if field[0] == 0x80:
+            return int.from_bytes(field[1:], "big")
         if field[0] == 0xFF:  # negative: two's complement over the whole field
-            value = int.from_bytes(field, "big") - (1 << (8 * len(field)))
-        return value
+            return int.from_bytes(field, "big") - (1 << (8 * len(field)))
+        raise TarHeaderError(f"invalid base-256 number {field!r}")
     text = field.split(b"\0", 1)[0].strip()
     if not text:
         return 0
