@@ -286,6 +286,37 @@ pread_full(int fd, char *buf, size_t n, int64_t off)
     return 0;
 }
 
+static uint32_t
+le32(const unsigned char *p)
+{
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+/* ZipFormat._check_local_header: the local header h (data at d) is member e's own: same method,
+ * and the same CRC-32 in the header or, with bit 3 set, in the data descriptor after the data
+ * (zero header fields and a descriptor never written pass, as in Python). */
+static int
+local_header_agrees(FastPath *t, Py_ssize_t e, const unsigned char *h, int64_t d)
+{
+    uint32_t crc = COL(t, COL_CRC, uint32_t)[e];
+    if ((unsigned)(h[8] | (h[9] << 8)) != COL(t, COL_METHOD, uint16_t)[e])
+        return 0;
+    if (!(h[6] & 0x08)) {
+        uint32_t lcrc = le32(h + 14);
+        return lcrc == crc || (lcrc == 0 && le32(h + 18) == 0 && le32(h + 22) == 0);
+    }
+    int64_t end = d + (int64_t)COL(t, COL_COMP, uint64_t)[e];
+    unsigned char tail[8];
+    int64_t n = t->file_size - end < 8 ? t->file_size - end : 8;
+    if (n < 4 || pread_full(t->fd, (char *)tail, (size_t)n, end) != 0)
+        return 0;
+    uint32_t first = le32(tail);
+    if (first == crc || first == 0x04034b50 || first == 0x02014b50 || first == 0x06064b50 ||
+        first == 0x06054b50 || first == 0x07064b50)
+        return 1;
+    return first == 0x08074b50 && n == 8 && le32(tail + 4) == crc;
+}
+
 /* ZIP local header -> data offset, as cdmlfs.formats.zip.ZipFormat.data_offset does: the header
  * offset (index column) never changes; the result goes to the data_at column, one aligned 8-byte
  * store that racing resolvers (C threads, Python) make with the same value. */
@@ -315,6 +346,8 @@ resolve_local_header(FastPath *t, Py_ssize_t e, int64_t *data_at)
     /* Unsigned: a ZIP64 size near 2^64 is clamped to 2^63 - 1, and d + that would wrap negative. */
     if (d > t->file_size || COL(t, COL_COMP, uint64_t)[e] > (uint64_t)(t->file_size - d))
         return -1; /* Python says why (the member's data runs past the end of the archive) */
+    if (!local_header_agrees(t, e, h, d))
+        return -1; /* another member's header (Python says which field disagrees) */
     __atomic_store_n(&resolved[e], d, __ATOMIC_RELAXED);
     *data_at = d;
     return 0;

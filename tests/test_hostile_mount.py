@@ -196,6 +196,55 @@ def test_lying_local_headers_are_eio_on_both_paths(both_paths: str, tmp_path: Pa
         assert _alive(pid)
 
 
+def _two_big_stored(streamed: bool) -> tuple[list, dict[str, bytes]]:
+    """Two 6 MiB stored members of the same size (served unchecked: over a 16 MiB cache's limit)
+    and a small one; ``streamed``: bit 3 set, each followed by a data descriptor."""
+    data = {"a.bin": b"A" * (6 << 20), "b.bin": b"B" * (6 << 20), "ok.txt": b"fine"}
+    members = []
+    for name, content in data.items():
+        m = craft.member(name, content, method=0)
+        if streamed:  # local CRC and sizes 0, the real ones in a descriptor after the data
+            m.flags = 0x08
+            m.data = content + struct.pack("<4sIII", b"PK\x07\x08", m.crc, len(content), len(content))
+            m.comp_size = len(content)
+        members.append(m)
+    return members, data
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["crc-in-header", "data-descriptor"])
+def test_a_central_record_pointing_at_another_members_header_is_eio_on_both_paths(
+    both_paths: str, streamed: bool, tmp_path: Path, mnt: Path
+) -> None:
+    """Two large stored members' header offsets swapped in the central directory: a.bin served
+    b.bin's bytes (only a whole sequential read reached the CRC check). The local header must be
+    the member's own: its CRC-32 (or its data descriptor's) and method agree with the record."""
+    members, data = _two_big_stored(streamed)
+    plain = craft.build_zip(members)
+    first, second = plain.index(b"PK\x03\x04"), plain.index(b"PK\x03\x04", 1)
+    members[0].offset, members[1].offset = second, first
+    swapped = craft.build_zip(members)
+    deflated = craft.member("m.bin", random.Random(5).randbytes(6 << 20), method=8)
+    deflated.fields = {"method": 0, "size": len(deflated.data)}  # the record says stored
+    relabelled = craft.build_zip([members[2], deflated])
+    archive, other = tmp_path / "swapped.zip", tmp_path / "method.zip"
+    archive.write_bytes(swapped)
+    log = tmp_path / "daemon.log"
+    with mounted(archive, mnt, "--cache-size", "16M", log_file=log):
+        for name in ("a.bin", "b.bin"):
+            assert read_bounded(mnt / name, 4096, 16) == errno.EIO, name
+        assert read_bounded(mnt / "ok.txt") == b"fine"
+    assert "'a.bin'" in log.read_text() and "CRC-32" in log.read_text()
+    (tmp_path / "fine.zip").write_bytes(plain)  # the same archive unswapped reads as written
+    with mounted(tmp_path / "fine.zip", mnt, "--cache-size", "16M"):
+        assert read_bounded(mnt / "a.bin", 4096, 16) == data["a.bin"][:16]
+        assert read_bounded(mnt / "b.bin", 4096, 16) == data["b.bin"][:16]
+    other.write_bytes(relabelled)
+    with mounted(other, mnt, "--cache-size", "16M", log_file=log):
+        assert read_bounded(mnt / "m.bin", 4096, 16) == errno.EIO
+        assert read_bounded(mnt / "ok.txt") == b"fine"
+    assert "compression method" in log.read_text()
+
+
 def test_a_zip64_size_near_2_64_is_eio_for_the_right_reason_on_both_paths(
     both_paths: str, tmp_path: Path, mnt: Path
 ) -> None:

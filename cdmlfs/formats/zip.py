@@ -87,11 +87,22 @@ UNIX_MODE_SYSTEMS = frozenset((2, 3, 5, 12, 13, 16, 17, 30))  # VMS, Unix, Atari
 SYMLINK_SYSTEMS = frozenset((0, 2, 3, 5, 16, 30))
 FLAG_ENCRYPTED = 0x1
 FLAG_STRONG_ENCRYPTION = 0x40
+FLAG_DATA_DESCRIPTOR = 0x8
 FLAG_UTF8 = 0x800
+DD_SIG = b"PK\x07\x08"
+# Records that may follow a member's data when its writer set bit 3 but wrote no descriptor.
+NEXT_RECORDS = (b"PK\x03\x04", b"PK\x01\x02", b"PK\x06\x06", b"PK\x05\x06", b"PK\x06\x07")
 
 MAX_COMMENT = 0xFFFF
 MAX_SIZE = (1 << 63) - 1  # largest off_t; ZIP64 sizes and offsets are unsigned 64-bit
 CHUNK = 8 << 20  # central directory is parsed in windows of this size: bounded transient memory
+
+
+def descriptor_agrees(tail: bytes, crc: int) -> bool:
+    """Whether the bytes after a bit-3 member's data (up to 8) give its CRC-32: a data descriptor
+    with or without its signature, or no descriptor at all (the next record starts there)."""
+    want = crc.to_bytes(4, "little")
+    return tail[:4] == want or (tail[:4] == DD_SIG and tail[4:8] == want) or tail[:4] in NEXT_RECORDS
 
 
 def is_zip(head: bytes, tail: bytes) -> bool:
@@ -345,8 +356,40 @@ class ZipFormat:
         data_at = header_at + LFH.size + rec[9] + rec[10]
         if data_at + index.comp_size[eid] > size:
             raise CorruptMemberError("member data extends past the end of the archive")
+        self._check_local_header(eid, rec, data_at)
         self.data_at[eid] = data_at  # one aligned 8-byte store: racing resolvers write the same value
         return data_at
+
+    def _check_local_header(self, eid: int, rec: tuple, data_at: int) -> None:
+        """Refuse a local header that belongs to another member (a damaged central directory).
+
+        Large stored members are served before their CRC can be checked (that needs every
+        byte), so an offset pointing at another member's header would serve its bytes. The
+        header's method must be ours, and its CRC-32 too: in the header, or with bit 3 set
+        (written while streaming) in the data descriptor after the data. Headers that give
+        no CRC at all (zeros, bit 3 clear) and descriptors that were never written (the next
+        record follows the data) are let through, as unzip and zipfile read them.
+        native/fastpath.c (resolve_local_header) makes the same checks.
+        """
+        index = self.index
+        method, crc = index.method[eid], index.crc[eid]
+        if rec[3] != method:
+            raise CorruptMemberError(
+                f"its local header gives compression method {rec[3]}, the central directory {method}"
+            )
+        if not rec[2] & FLAG_DATA_DESCRIPTOR:
+            if rec[6] != crc and (rec[6], rec[7], rec[8]) != (0, 0, 0):
+                raise CorruptMemberError(
+                    f"its local header gives CRC-32 {rec[6]:08x}, the central directory {crc:08x}"
+                )
+            return
+        end = data_at + index.comp_size[eid]
+        tail = self.source.read_at(end, min(8, self.source.size - end))
+        if not descriptor_agrees(tail, crc):
+            raise CorruptMemberError(
+                f"the data descriptor at offset {end} does not give the central directory's "
+                f"CRC-32 {crc:08x}"
+            )
 
 
 INDEX_BYTES_PER_ENTRY = 250  # measured: ~240 B per entry for typical dataset paths
