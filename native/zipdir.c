@@ -505,6 +505,11 @@ plain_run(PyObject *self, PyObject *args)
             }
             if (ends_with_slash)
                 kind = KIND_DIR;
+            else if (kind == KIND_DIR && (usize || csize)) { /* zip.py: a file, by its name */
+                kind = KIND_FILE;
+                if (!have_unix)
+                    mode = 0444 | ((eattr & 0x01) ? 0 : 0200);
+            }
         }
         eflags = F_NEEDS_LOCAL_HEADER;
         if ((gflags & (FLAG_ENCRYPTED | FLAG_STRONG_ENCRYPTION)) || method == METHOD_AES)

@@ -25,9 +25,10 @@ from fuzz import craft
 from fuzz.harness import MemorySource
 from fuzz.seeds import zip_seeds
 
+from cdmlfs.archive import Archive
 from cdmlfs.errors import CdmlfsError
 from cdmlfs.formats import zip as zipfmt
-from cdmlfs.index import IndexBuilder
+from cdmlfs.index import DIR, FILE, IndexBuilder
 
 CDH_SIZE = 46
 _FINISH = IndexBuilder.finish
@@ -294,6 +295,29 @@ def test_extended_timestamps_past_2038_and_before_1970(native, monkeypatch, capl
     assert mtimes["ext-negative"] == -5
     assert mtimes["ext-2106-dos-2107"] == 2**32 - 1
     assert mtimes["ext"] == 1_234_567_890
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_directory_by_attributes_alone_with_data_is_a_file(native, monkeypatch, caplog, tmp_path: Path):
+    """No slash, the DOS directory bit (or S_IFDIR in a Unix mode) and data: unzip and zipfile
+    extract a file by that name; it was shown as an empty directory, its data unreachable."""
+    if native and zipfmt.PLAIN_RUN is None:
+        pytest.skip("cdmlfs._zipdir is not built")
+    dos = craft.member("folder", b"twelve bytes", fields={"made_by": 0, "eattr": 0x10})
+    unix = craft.member("notdir", b"abcde", mode=0o040755)
+    empty = craft.member("empty", b"", method=0, fields={"made_by": 0, "eattr": 0x10})
+    data = craft.build_zip([dos, unix, empty])
+    snapshot = _parse(data, native, monkeypatch, caplog)[0]
+    assert isinstance(snapshot, dict), snapshot
+    kinds = dict(zip(snapshot["paths"], snapshot["kind"]))
+    modes = dict(zip(snapshot["paths"], snapshot["mode"]))
+    assert (kinds["folder"], kinds["notdir"], kinds["empty"]) == (FILE, FILE, DIR)
+    assert (modes["folder"], modes["notdir"]) == (0o644, 0o755)
+    if not native:  # (the bytes do not depend on the parser)
+        (tmp_path / "a.zip").write_bytes(data)
+        with Archive(str(tmp_path / "a.zip")) as ar, zipfile.ZipFile(tmp_path / "a.zip") as zf:
+            assert ar.read("folder") == zf.read("folder") == b"twelve bytes"
+            assert ar.read("notdir") == b"abcde"
 
 
 def test_prefixed_archive_and_zip64_records(native_run, monkeypatch, caplog):

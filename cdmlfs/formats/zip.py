@@ -299,6 +299,12 @@ class ZipFormat:
                 mode = _dos_mode(eattr, kind == DIR)
             if name.endswith("/"):
                 kind = DIR
+            elif kind == DIR and (usize or csize):
+                # A directory by its attributes alone, with data: unzip and zipfile go by the
+                # name (no slash: a file) and extract the data, which a directory would hide.
+                kind = FILE
+                if st_mode is None:
+                    mode = _dos_mode(eattr, False)
             eflags = NEEDS_LOCAL_HEADER
             if flags & (FLAG_ENCRYPTED | FLAG_STRONG_ENCRYPTION) or method == METHOD_AES:
                 eflags |= ENCRYPTED
