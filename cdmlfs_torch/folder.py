@@ -22,12 +22,14 @@ from cdmlfs_torch import handles
 from cdmlfs_torch._compat import Dataset
 from cdmlfs_torch.loaders import default_loader
 from cdmlfs_torch.roots import (
+    SEP,
     ArchiveTree,
     SampleNotFoundError,
     Tree,
     positions_by_archive,
     resolve_root,
     sample_errors,
+    split_sample_path,
 )
 
 try:  # torchvision's classes as bases where installed (see the module docstring)
@@ -314,6 +316,10 @@ class ArchiveDatasetFolder(_DatasetFolderBase):  # type: ignore[misc,valid-type]
                     raise
                 raise _opened_locally(exc, path, "the loader") from exc
         else:
+            if SEP in path:  # an archive's sample the loader opens by its location alone
+                split = split_sample_path(path)
+                if split is not None:  # with this dataset's options, not the defaults (see handles)
+                    handles.remember_options(split[0], self._tree_options)
             sample = self.loader(path)
         if self.transform is not None:
             sample = self.transform(sample)

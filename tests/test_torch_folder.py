@@ -1011,6 +1011,48 @@ def test_archive_order_of_manifest_samples_spread_over_archives(tmp_path: Path) 
         assert ds[0] == (b"1a.jpg", 1)
 
 
+class _ManifestFolder(ArchiveDatasetFolder):
+    """Samples from a list file ("PATH,TARGET" lines), one class (module level: it pickles)."""
+
+    def find_classes(self, directory):
+        return ["zero"], {"zero": 0}
+
+    @staticmethod
+    def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+        return [(p, int(t)) for p, t in (line.rsplit(",", 1) for line in open(directory).read().split())]
+
+
+def _read_bytes(path: str) -> bytes:
+    return cdmlfs_torch.open_sample(path).read()
+
+
+def test_manifest_samples_open_their_archive_with_the_datasets_options(tmp_path: Path) -> None:
+    """Hooks that read a sample list never open the root: the loader opened each sample's archive
+    by its location alone, with the default options (an S3 endpoint_url lost), in the parent and
+    in every worker process, unless something else had opened it first."""
+    import pickle
+
+    from cdmlfs_torch import handles
+
+    archive = tmp_path / "part.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr("a.jpg", "A")
+    manifest = tmp_path / "manifest.csv"
+    manifest.write_text(f"{archive}::a.jpg,0\n")
+
+    handles.close_all()
+    try:
+        ds = _ManifestFolder(str(manifest), loader=_read_bytes, cache_size=3 << 20)
+        assert ds[0] == (b"A", 0)
+        assert handles.get_archive(str(archive))._cache_size == 3 << 20
+        copy = pickle.loads(pickle.dumps(ds))
+        handles.close_all()  # what a spawned worker starts with: no handle, no options
+        assert copy[0] == (b"A", 0)
+        assert handles.get_archive(str(archive))._cache_size == 3 << 20
+    finally:
+        handles.close_all()
+
+
 def test_is_valid_file_that_opens_sample_paths_itself_is_told_what_to_use(trees: dict[str, Path]) -> None:
     """An is_valid_file that lets Image.open's error out got a bare FileNotFoundError on 'x.zip::a.png'."""
     from PIL import UnidentifiedImageError
