@@ -96,8 +96,8 @@ class GPUPrefetchLoader:
         loader: Iterable[Any],
         device: str | torch.device = "cuda",
         prefetch: int = 2,
-        mean: Sequence[float] | None = None,
-        std: Sequence[float] | None = None,
+        mean: Sequence[float] | float | None = None,
+        std: Sequence[float] | float | None = None,
         channels_last: bool = False,
         dtype: torch.dtype = torch.float32,
         is_image: Callable[[torch.Tensor], bool] = default_is_image,
@@ -116,8 +116,9 @@ class GPUPrefetchLoader:
         self.channels_last = channels_last
         self.dtype = dtype
         self.is_image = is_image
-        self._mean = None if mean is None else torch.tensor(list(mean), dtype=torch.float32).view(1, -1, 1, 1)
-        self._std = None if std is None else torch.tensor(list(std), dtype=torch.float32).view(1, -1, 1, 1)
+        # A number or a sequence, as torchvision's Normalize takes them (a number: every channel).
+        self._mean = None if mean is None else torch.as_tensor(mean, dtype=torch.float32).reshape(1, -1, 1, 1)
+        self._std = None if std is None else torch.as_tensor(std, dtype=torch.float32).reshape(1, -1, 1, 1)
         if (
             self._mean is not None
             and self._std is not None
@@ -125,7 +126,7 @@ class GPUPrefetchLoader:
             and self._mean.numel() != self._std.numel()
         ):
             raise ValueError("mean and std must have the same number of channels (or one value)")
-        self._stats: dict[torch.device | None, tuple[Any, Any]] = {}
+        self._stats: dict[torch.device | None, tuple[Any, Any, Any]] = {}
         self._images_seen = mean is None and std is None  # nothing to check without them
         self._stream: torch.cuda.Stream | None = None
         self._metrics = LoaderMetrics()
@@ -156,25 +157,31 @@ class GPUPrefetchLoader:
         return list(self._metrics.waits)
 
     # -- conversion --------------------------------------------------------------
-    def _stats_on(self, device: torch.device | None) -> tuple[Any, Any]:
+    def _stats_on(self, device: torch.device | None) -> tuple[Any, Any, Any]:
+        """mean, std and the 255 to divide by, on ``device`` (None: the CPU).
+
+        255 is a tensor on the images' device: divided by a Python number, CUDA multiplies by
+        its reciprocal, which differs from the CPU's true division (by up to 6e-8).
+        """
         if device not in self._stats:
             move = (lambda t: t) if device is None else (lambda t: t.to(device))
             self._stats[device] = (
                 None if self._mean is None else move(self._mean),
                 None if self._std is None else move(self._std),
+                255 if device is None else torch.tensor(255.0, device=device),
             )
         return self._stats[device]
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 ``N,C,H,W`` -> ``(x / 255 - mean) / std`` in ``dtype``, on the images' device."""
-        mean, std = self._stats_on(images.device if images.device.type != "cpu" else None)
+        mean, std, scale = self._stats_on(images.device if images.device.type != "cpu" else None)
         channels = images.shape[1]
         for name, stat in (("mean", mean), ("std", std)):
             if stat is not None and stat.numel() not in (1, channels):  # one value: all channels
                 raise ValueError(f"{name} has {stat.numel()} values but the images have {channels} channels")
         fmt = torch.channels_last if self.channels_last else torch.preserve_format
         out = images.to(torch.float32, memory_format=fmt, copy=True)  # never the caller's tensor
-        out.div_(255)
+        out.div_(scale)
         if mean is not None:
             out.sub_(mean)
         if std is not None:

@@ -133,6 +133,9 @@ def test_bad_arguments() -> None:
     x, _ = next(iter(GPUPrefetchLoader(image_loader(), device="cpu", mean=(0.5,), std=(0.25,))))
     x0, _ = next(iter(image_loader()))
     torch.testing.assert_close(x, manual(x0, (0.5,) * 3, (0.25,) * 3))
+    # ... and so does a plain number (Normalize(0.5, 0.25)); it raised TypeError.
+    xs, _ = next(iter(GPUPrefetchLoader(image_loader(), device="cpu", mean=0.5, std=0.25)))
+    assert torch.equal(xs, x)
     with pytest.raises(ValueError, match="channels"):
         next(iter(GPUPrefetchLoader(image_loader(), device="cpu", mean=(0.5, 0.5))))
     with pytest.raises(ValueError):
