@@ -557,6 +557,68 @@ def test_tar_zst_decoder_windows_stay_within_one_decode_budget() -> None:
         assert stream._cursors[next(iter(stream._cursors))].window == 8 << 20
 
 
+def test_tar_zst_decoders_in_use_count_against_the_window_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Concurrent readers of one big frame (a multithreaded mount): a decoder dropped from the
+    table while a reader used it lived on uncounted, so each reader that landed behind the others
+    started its own: 12 readers of a --long=27 archive held 505 MiB beside a 64 MiB cache. Live
+    decoders, busy ones included, now fit the per-decode budget or are a single one."""
+    import random
+    import threading
+    import weakref
+
+    import zstandard
+
+    from cdmlfs.formats import zstdstream
+
+    live: weakref.WeakSet = weakref.WeakSet()
+    peak = [0]
+
+    class Counted(zstdstream._Cursor):
+        __slots__ = ("__weakref__",)
+
+        def __init__(self, window: int = 0) -> None:
+            super().__init__(window)
+            live.add(self)
+
+    frame_reader = zstdstream.ZstdStream._frame_reader
+
+    def counting_reader(self, i):  # decoders live as one more (re)starts (its own old one counted)
+        peak[0] = max(peak[0], sum(1 for c in list(live) if c.reader is not None))
+        return frame_reader(self, i)
+
+    monkeypatch.setattr(zstdstream, "_Cursor", Counted)
+    monkeypatch.setattr(zstdstream.ZstdStream, "_frame_reader", counting_reader)
+    rng = random.Random(4)
+    block = rng.randbytes(1 << 20)
+    contents = {f"m{i}": b"".join(block[j:] + block[:j] for j in range(8 * i, 8 * i + 8)) for i in range(3)}
+    plain = b"".join(
+        th.build_header(name, th.REGTYPE, len(data)) + data for name, data in contents.items()
+    ) + bytes(1024)
+    params = zstandard.ZstdCompressionParameters.from_level(1, window_log=23)  # an 8 MiB window
+    frame = zstandard.ZstdCompressor(compression_params=params).compress(plain)
+    errors: list[BaseException] = []
+    with Archive(MemorySource(frame), cache_size=16 << 20) as ar:  # budget: 4 MiB, under one window
+        assert ar.format.stream.whole_max < 8 << 20
+
+        def reader(seed: int) -> None:
+            r = random.Random(seed)
+            try:
+                for _ in range(12):
+                    name = r.choice(list(contents))
+                    at = r.randrange(len(contents[name]) - 100)
+                    assert ar.read(name, at, 100) == contents[name][at : at + 100]
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=reader, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert not errors, errors
+    assert peak[0] == 1, peak
+
+
 def test_zip_stream_decoder_windows_stay_within_one_decode_budget(tmp_path: Path) -> None:
     """The same bound for ZIP members (zstd, LZMA, xz) read through forward decoders: four zstd
     members with 128 MiB windows took a 16 MiB-cache daemon to 546 MiB."""

@@ -393,8 +393,7 @@ class ZipFormat:
         tail = self.source.read_at(end, min(8, self.source.size - end))
         if not descriptor_agrees(tail, crc):
             raise CorruptMemberError(
-                f"the data descriptor at offset {end} does not give the central directory's "
-                f"CRC-32 {crc:08x}"
+                f"the data descriptor at offset {end} does not give the central directory's CRC-32 {crc:08x}"
             )
 
 

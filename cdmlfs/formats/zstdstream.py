@@ -260,7 +260,7 @@ class RawStream:
 class _Cursor:
     """A forward-only decoder inside one large frame."""
 
-    __slots__ = ("lock", "pos", "reader", "scratch", "window")
+    __slots__ = ("lock", "pos", "reader", "scratch", "users", "window")
 
     def __init__(self, window: int = 0) -> None:
         self.lock = threading.Lock()
@@ -268,6 +268,7 @@ class _Cursor:
         self.pos = 0
         self.scratch: bytearray | None = None
         self.window = window  # bytes of decoder window this cursor's frame needs
+        self.users = 0  # readers that chose it and have not let it go (under ZstdStream._lock)
 
 
 class ZstdStream:
@@ -303,6 +304,7 @@ class ZstdStream:
         self._cursors: OrderedDict[tuple[int, int], _Cursor] = OrderedDict()  # (frame, serial)
         self._cursor_serial = 0
         self._lock = threading.Lock()
+        self._cursor_freed = threading.Condition(self._lock)
         self._queue: queue.Queue[Hashable] = queue.Queue(maxsize=1)  # one extent ahead
         self._worker: threading.Thread | None = None
         self._seen: Hashable | None = None
@@ -679,31 +681,62 @@ class ZstdStream:
 
     # -- pieces of large frames ----------------------------------------------------
     def _cursor(self, i: int, target: int) -> _Cursor:
-        """A forward decoder of frame ``i`` to serve byte ``target``: the one standing nearest at or
-        before it, or a new one when every decoder of the frame has passed it.
+        """A forward decoder of frame ``i`` to serve byte ``target``, claimed (``_let_go`` it): the
+        one standing nearest at or before it, or a new one when every decoder of the frame has
+        passed it.
 
         Several per frame: two readers in different regions of one big frame (ranks sharing a
         mount, each on its own contiguous shard) used to restart the frame's only decoder for
         each other, decoding a 360 MiB archive about 68 times over for one pass of reads.
+
+        Decoder windows live outside the cache: the windows of all live decoders, those in use
+        included, stay within one decode's budget, or are one decoder's. Four frames of a --long
+        archive (128 MiB windows) held 512 MiB next to a 64 MiB cache; and with decoders in use
+        dropped from the table (still alive, uncounted), 12 concurrent readers of a multithreaded
+        mount each kept its own 128 MiB window (505 MiB peak beside a 64 MiB cache). When a new
+        decoder does not fit, a reader takes a busy one of its frame (it waits for it, then
+        restarts it), or waits for a decoder of another frame to be let go.
         """
         with self._lock:
             found = self._nearest_cursor(i, target)
             if found is not None:
+                found.users += 1
                 return found
         window = self._window(i)
         with self._lock:
-            found = self._nearest_cursor(i, target)
-            if found is not None:
-                return found
-            # Decoder windows live outside the cache: keep their sum within one decode's budget
-            # (at least one cursor). Four frames of a --long archive (128 MiB windows) held
-            # 512 MiB next to a 64 MiB cache.
-            held = sum(c.window for c in self._cursors.values())
-            while self._cursors and (len(self._cursors) >= MAX_CURSORS or held + window > self.whole_max):
-                held -= self._cursors.popitem(last=False)[1].window
-            self._cursor_serial += 1
-            cur = self._cursors[(i, self._cursor_serial)] = _Cursor(window)
-            return cur
+            while True:
+                found = self._nearest_cursor(i, target)
+                if found is not None:
+                    found.users += 1
+                    return found
+                for key in list(self._cursors):  # least recently used first; busy ones stay
+                    if self._fits(window):
+                        break
+                    if self._cursors[key].users == 0:
+                        del self._cursors[key]
+                if not self._cursors or self._fits(window):
+                    self._cursor_serial += 1
+                    cur = self._cursors[(i, self._cursor_serial)] = _Cursor(window)
+                    cur.users = 1
+                    return cur
+                busy = [c for (frame, _), c in self._cursors.items() if frame == i]
+                if busy:  # every decoder of this frame has passed target: one of them restarts
+                    cur = max(busy, key=lambda c: c.pos)
+                    cur.users += 1
+                    return cur
+                self._cursor_freed.wait(1.0)  # (timed: a safety net, the loop checks again)
+
+    def _fits(self, window: int) -> bool:
+        """Whether a new decoder of ``window`` bytes fits beside the live ones (under ``_lock``)."""
+        held = sum(c.window for c in self._cursors.values())
+        return len(self._cursors) < MAX_CURSORS and held + window <= self.whole_max
+
+    def _let_go(self, cur: _Cursor) -> None:
+        """A reader is done with ``cur`` (it stays in the table for the next reader)."""
+        with self._lock:
+            cur.users -= 1
+            if cur.users == 0:
+                self._cursor_freed.notify_all()
 
     @contextlib.contextmanager
     def _locked_cursor(self, i: int, target: int, key: Hashable, create: bool = True):
@@ -719,6 +752,8 @@ class ZstdStream:
             else:
                 with self._lock:
                     cur = self._nearest_cursor(i, target)
+                    if cur is not None:
+                        cur.users += 1
                 if cur is None:
                     yield None, None
                     return
@@ -726,6 +761,7 @@ class ZstdStream:
             if cur.reader is None or cur.pos <= target:
                 break
             cur.lock.release()
+            self._let_go(cur)
             done = self._cache.peek(key) if self._cache is not None else None
             if done is not None:
                 yield None, done
@@ -734,11 +770,13 @@ class ZstdStream:
             if not create:
                 yield None, None
                 return
+            cur = self._cursor(i, target)
             cur.lock.acquire()  # still passed: it restarts
         try:
             yield cur, None
         finally:
             cur.lock.release()
+            self._let_go(cur)
 
     def _nearest_cursor(self, i: int, target: int) -> _Cursor | None:
         """Frame ``i``'s decoder furthest along but not past ``target`` (under ``_lock``)."""
