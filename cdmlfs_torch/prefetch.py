@@ -62,6 +62,16 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return batch
 
 
+def _channel_stat(value: Sequence[float] | float | None) -> torch.Tensor | None:
+    """mean or std as a ``1, C, 1, 1`` float32 tensor: a number (every channel), a sequence, an
+    iterable, an array or a tensor, as torchvision's Normalize takes them."""
+    if value is None:
+        return None
+    if not isinstance(value, (int, float, torch.Tensor)) and not hasattr(value, "__array__"):
+        value = list(value)  # a generator too
+    return torch.as_tensor(value, dtype=torch.float32).reshape(1, -1, 1, 1)
+
+
 def _tensors_in(batch: Any) -> Iterator[torch.Tensor]:
     """The tensors of a nested batch, read only (no container is rebuilt)."""
     if isinstance(batch, torch.Tensor):
@@ -116,9 +126,8 @@ class GPUPrefetchLoader:
         self.channels_last = channels_last
         self.dtype = dtype
         self.is_image = is_image
-        # A number or a sequence, as torchvision's Normalize takes them (a number: every channel).
-        self._mean = None if mean is None else torch.as_tensor(mean, dtype=torch.float32).reshape(1, -1, 1, 1)
-        self._std = None if std is None else torch.as_tensor(std, dtype=torch.float32).reshape(1, -1, 1, 1)
+        self._mean = _channel_stat(mean)
+        self._std = _channel_stat(std)
         if (
             self._mean is not None
             and self._std is not None

@@ -619,6 +619,50 @@ def test_tar_zst_decoders_in_use_count_against_the_window_budget(monkeypatch: py
     assert peak[0] == 1, peak
 
 
+def test_an_interrupted_wait_for_a_decoder_lets_it_go() -> None:
+    """Ctrl-C while a reader waited for a busy decoder's lock left the decoder claimed for good;
+    with room for one decoder only, a read of another frame then waited forever."""
+    import random
+    import threading
+
+    import zstandard
+
+    rng = random.Random(6)
+    contents = {f"m{i}": rng.randbytes(6 << 20) for i in range(2)}
+    params = zstandard.ZstdCompressionParameters.from_level(1, window_log=21)
+    frames = [
+        zstandard.ZstdCompressor(compression_params=params).compress(
+            th.build_header(name, th.REGTYPE, len(data)) + data + (bytes(1024) if name == "m1" else b"")
+        )
+        for name, data in contents.items()
+    ]
+
+    class Interrupted:  # the lock a reader waits on when Ctrl-C comes
+        def __init__(self) -> None:
+            self.real = threading.Lock()
+            self.raised = False
+
+        def acquire(self) -> bool:
+            if not self.raised:
+                self.raised = True
+                raise KeyboardInterrupt
+            return self.real.acquire()
+
+        def release(self) -> None:
+            self.real.release()
+
+    with Archive(MemorySource(b"".join(frames)), cache_size=8 << 20) as ar:
+        stream = ar.format.stream
+        assert ar.read("m0", 1 << 20, 10) == contents["m0"][1 << 20 : (1 << 20) + 10]
+        (cur,) = stream._cursors.values()
+        cur.lock = Interrupted()
+        with pytest.raises(KeyboardInterrupt):
+            ar.read("m0", 5 << 20, 10)
+        assert cur.users == 0
+        with time_limit(30):
+            assert ar.read("m1", 3 << 20, 10) == contents["m1"][3 << 20 : (3 << 20) + 10]
+
+
 def test_a_packed_member_served_from_pieces_is_checked_without_a_copy_of_it(tmp_path: Path) -> None:
     """A member of a packed archive whose frame is too large to decode whole is gathered from
     pieces of the frame and CRC-checked before its first read is served. It was joined into one

@@ -136,6 +136,8 @@ def test_bad_arguments() -> None:
     # ... and so does a plain number (Normalize(0.5, 0.25)); it raised TypeError.
     xs, _ = next(iter(GPUPrefetchLoader(image_loader(), device="cpu", mean=0.5, std=0.25)))
     assert torch.equal(xs, x)
+    xg, _ = next(iter(GPUPrefetchLoader(image_loader(), device="cpu", mean=(m for m in (0.5,)), std=[0.25])))
+    assert torch.equal(xg, x)
     with pytest.raises(ValueError, match="channels"):
         next(iter(GPUPrefetchLoader(image_loader(), device="cpu", mean=(0.5, 0.5))))
     with pytest.raises(ValueError):

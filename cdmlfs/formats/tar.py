@@ -93,6 +93,8 @@ STORE_KIND_TAR_ZST = "tar.zst/3"  # 2: frame tables say whether their sizes came
 # 1.34), bsdtar and Python's tarfile all read on there, so members behind a symlink, device or fifo
 # header that declares a size are members (``tar -t``, or ``tar -x`` given names, skip the size
 # instead: GNU tar does not agree with itself, and we go with what extracting the archive makes).
+# A pax ``size`` record on such a header is ignored too, as GNU tar -x and tarfile do (bsdtar
+# skips that size).
 _NO_DATA_TYPES = frozenset((th.LNKTYPE, th.DIRTYPE, th.SYMTYPE, th.CHRTYPE, th.BLKTYPE, th.FIFOTYPE))
 _META_TYPES = frozenset((th.PAX_LOCAL, th.SOLARIS_PAX, th.PAX_GLOBAL, th.GNU_LONGNAME, th.GNU_LONGLINK))
 _PER_MEMBER_ONLY = frozenset(("path", "linkpath", "size"))

@@ -63,8 +63,8 @@ def _cstr(field: bytes) -> bytes:
 def parse_number(field: bytes) -> int:
     """Octal (NUL/space padded) or GNU base-256 (first byte 0x80, or 0xFF for a negative number).
 
-    Another first byte with its high bit set is no number for GNU tar, bsdtar or Python's
-    tarfile (its low bits would be part of the value, which the others refuse to guess)."""
+    Another first byte with its high bit set is no number for GNU tar or Python's tarfile
+    (its low bits would be part of the value: they refuse to guess, and so do we)."""
     if field[0] & 0x80:
         if field[0] == 0x80:
             return int.from_bytes(field[1:], "big")

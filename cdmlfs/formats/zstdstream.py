@@ -720,8 +720,8 @@ class ZstdStream:
                     cur.users = 1
                     return cur
                 busy = [c for (frame, _), c in self._cursors.items() if frame == i]
-                if busy:  # every decoder of this frame has passed target: one of them restarts
-                    cur = max(busy, key=lambda c: c.pos)
+                if busy:  # every decoder of this frame has passed target: the least advanced restarts
+                    cur = min(busy, key=lambda c: c.pos)
                     cur.users += 1
                     return cur
                 self._cursor_freed.wait(1.0)  # (timed: a safety net, the loop checks again)
@@ -747,21 +747,13 @@ class ZstdStream:
         Without ``create`` (decoding ahead), only an existing decoder at or before ``target`` is
         taken: ``(None, None)`` when there is none (a new one could push out a live one)."""
         for _ in range(3):
-            if create:
-                cur = self._cursor(i, target)
-            else:
-                with self._lock:
-                    cur = self._nearest_cursor(i, target)
-                    if cur is not None:
-                        cur.users += 1
-                if cur is None:
-                    yield None, None
-                    return
-            cur.lock.acquire()
+            cur = self._claim_locked(i, target, create)
+            if cur is None:
+                yield None, None
+                return
             if cur.reader is None or cur.pos <= target:
                 break
-            cur.lock.release()
-            self._let_go(cur)
+            self._release(cur)
             done = self._cache.peek(key) if self._cache is not None else None
             if done is not None:
                 yield None, done
@@ -770,12 +762,39 @@ class ZstdStream:
             if not create:
                 yield None, None
                 return
-            cur = self._cursor(i, target)
-            cur.lock.acquire()  # still passed: it restarts
+            cur = self._claim_locked(i, target, True)  # still passed: it restarts
         try:
             yield cur, None
         finally:
+            self._release(cur)
+
+    def _claim_locked(self, i: int, target: int, create: bool) -> _Cursor | None:
+        """A decoder for ``target`` (``_cursor``; without ``create`` only an existing one, or
+        None), claimed and locked. An exception while waiting for its lock (Ctrl-C in a Python
+        API session) lets the claim go: a claim left behind would keep the decoder for good, and
+        readers of other frames would then wait for it forever."""
+        cur = None
+        try:
+            if create:
+                cur = self._cursor(i, target)
+            else:
+                with self._lock:
+                    cur = self._nearest_cursor(i, target)
+                    if cur is not None:
+                        cur.users += 1
+            if cur is not None:
+                cur.lock.acquire()
+        except BaseException:
+            if cur is not None:
+                self._let_go(cur)
+            raise
+        return cur
+
+    def _release(self, cur: _Cursor) -> None:
+        """Unlock and let go of a decoder ``_claim_locked`` gave."""
+        try:
             cur.lock.release()
+        finally:
             self._let_go(cur)
 
     def _nearest_cursor(self, i: int, target: int) -> _Cursor | None:
