@@ -225,10 +225,13 @@ class FaultProxy:
         self._chaos_kinds: tuple[str, ...] = ()
         # Standing misbehaviours of a non-compliant server, on ranged GETs: "weak_etag" (W/ ETags),
         # "no_etag" (none on replies to non-suffix ranges), "ignore_if_match" (If-Match dropped);
+        # "metadata_etag": one weak ETag whatever the bytes (a server deriving it from metadata);
+        # "ignore_if_unmodified_since" (If-Unmodified-Since dropped);
         # "stall_head_prefetch": the open's optional request for the first 4 KiB stalls (once);
         # "refuse_query_auth": 403 to every request authenticated by its query string (a presigned
         # URL), as a store without query authentication answers; "refuse_query_auth_once": the next.
         self.quirks: set[str] = set()
+        self.if_unmodified_since = 0  # ranged GETs that carried the header
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         proxy = self
@@ -405,6 +408,10 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         ranged = self.command == "GET" and "Range" in headers
         if ranged and "ignore_if_match" in owner.quirks:
             headers.pop("If-Match", None)
+        if ranged and "ignore_if_unmodified_since" in owner.quirks:
+            headers.pop("If-Unmodified-Since", None)
+        if ranged and "If-Unmodified-Since" in headers:
+            owner.if_unmodified_since += 1
         try:
             conn = self._upstream()
             conn.request(self.command, self.path, body=body, headers=headers)
@@ -423,6 +430,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                     continue
                 if "weak_etag" in owner.quirks:
                     v = "W/" + v
+                if "metadata_etag" in owner.quirks:
+                    v = 'W/"metadata"'
             self.send_header(k, v)
         if fault == "bad_header":  # urllib3 warns "Failed to parse headers (url=...)" and goes on
             self._headers_buffer.append(b"this header line has no colon\r\n")

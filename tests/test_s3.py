@@ -330,7 +330,8 @@ def test_a_server_that_drops_if_match_and_etags_cannot_mix_versions(
 
 def test_weak_etags_are_not_sent_as_if_match(moto_s3, proxy_to, tmp_path: Path) -> None:
     """If-Match compares strongly, so a weak ETag never matches: every read was "changed" (EIO).
-    Reads then rely on the ETag of each reply, which still catches a replaced object."""
+    Reads then rely on the ETag of each reply (and on Last-Modified: If-Unmodified-Since, which moto
+    may enforce first), which still catches a replaced object."""
     rng = random.Random(3)
     v1 = {f"m{i:03d}.bin": rng.randbytes(64 << 10) for i in range(100)}
     _stored_zip_on(moto_s3, "cons", "weak.zip", tmp_path, v1)
@@ -340,7 +341,35 @@ def test_weak_etags_are_not_sent_as_if_match(moto_s3, proxy_to, tmp_path: Path) 
         assert remote.source.etag.startswith("W/")
         assert remote.read("m000.bin") == v1["m000.bin"]
         _stored_zip_on(moto_s3, "cons", "weak.zip", tmp_path, {k: bytes(len(v)) for k, v in v1.items()})
-        with pytest.raises(SourceChangedError, match="ETag is now"):
+        with pytest.raises(SourceChangedError, match="ETag is now|If-Unmodified-Since failed"):
+            remote.read("m050.bin")
+
+
+@pytest.mark.parametrize("enforced", [True, False], ids=["server-enforces", "header-dropped"])
+def test_a_weak_etag_that_outlives_a_replacement_is_backed_by_last_modified(
+    enforced: bool, moto_s3, proxy_to, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server deriving weak ETags from metadata may keep one across a replacement of the same
+    size: reads of the new bytes were served under the old index (mixed versions, no error). Reads
+    are pinned to Last-Modified too: If-Unmodified-Since where the server enforces it, the reply's
+    Last-Modified where it does not."""
+    rng = random.Random(5)
+    v1 = {f"m{i:03d}.bin": rng.randbytes(64 << 10) for i in range(100)}
+    _stored_zip_on(moto_s3, "cons", "meta.zip", tmp_path, v1)
+    proxy = proxy_to(moto_s3)
+    proxy.quirks.add("metadata_etag")
+    if not enforced:
+        proxy.quirks.add("ignore_if_unmodified_since")
+    with caplog.at_level("WARNING", logger="cdmlfs"):
+        remote = Archive("s3://cons/meta.zip", endpoint_url=proxy.url, retry=FAST_RETRY)
+    with remote:
+        assert remote.source.etag == 'W/"metadata"'
+        assert "weak ETag" in caplog.text and "Last-Modified" in caplog.text
+        assert remote.read("m000.bin") == v1["m000.bin"]
+        assert (proxy.if_unmodified_since > 0) == enforced
+        time.sleep(1.1)  # Last-Modified counts whole seconds
+        _stored_zip_on(moto_s3, "cons", "meta.zip", tmp_path, {k: bytes(len(v)) for k, v in v1.items()})
+        with pytest.raises(SourceChangedError, match="changed after it was opened"):
             remote.read("m050.bin")
 
 

@@ -212,9 +212,21 @@ class S3Object:
         self._head = head = _Background(self._head_bytes, HEAD_BYTES)
         self.size, self.etag, tail_start, tail = self._open(open_suffix)
         self._weak = self.etag.strip().startswith("W/")
-        self.identity = SourceIdentity(self.location, self.size, _etag(self.etag))
         last_modified = getattr(self, "_last_modified", None)
         self.mtime = last_modified.timestamp() if last_modified is not None else 0.0
+        version = _etag(self.etag)
+        if self._weak:
+            # A weak ETag may stay the same when the bytes change (servers that derive it from
+            # size and mtime): If-Match cannot pin it, so reads are pinned to Last-Modified too,
+            # and the persisted index is keyed by both.
+            version = f"{self.etag.strip()}@{self.mtime:.0f}"
+            log.warning(
+                "%s: the server sends a weak ETag (%s): reads are pinned to it and to the object's "
+                "Last-Modified; a replacement keeping both (same size, mtime set back) would go unseen",
+                self.location,
+                self.etag,
+            )
+        self.identity = SourceIdentity(self.location, self.size, version)
         self._cache = cache if cache is not None else ExtentCache(PRIVATE_CACHE)
         workers = max(1, max_connections // 2)
         config = BlockConfig(
@@ -234,7 +246,8 @@ class S3Object:
         if tail:
             self._blocks.seed(tail_start, tail)
         first = head.result(HEAD_WAIT)  # an optimisation: a slow one is not waited for
-        if first is not None and first[0] == self.etag and tail_start > 0:
+        # (A weak ETag equal in both replies says little: the first bytes are then read again.)
+        if first is not None and first[0] == self.etag and tail_start > 0 and not self._weak:
             self._blocks.seed(0, first[1][: min(len(first[1]), tail_start)])
         forksafe.register(self)
 
@@ -476,7 +489,9 @@ class S3Object:
         expect = f"bytes {start}-{end - 1}/{self.size}"
 
         def attempt(deadline: float):
-            pin = {} if self._weak else {"IfMatch": self.etag}  # If-Match never matches a weak ETag
+            pin = {"IfMatch": self.etag}
+            if self._weak:  # If-Match never matches a weak ETag: the modification time pins instead
+                pin = {"IfUnmodifiedSince": self._last_modified} if self._last_modified is not None else {}
             try:
                 resp = self._reply_by(deadline, presigned=True, Range=f"bytes={start}-{end - 1}", **pin)
             except Exception as exc:
@@ -489,6 +504,14 @@ class S3Object:
                     raise SourceError(f"{self.location}: the server sent no ETag with a ranged reply")
                 if _etag(etag) != _etag(self.etag):
                     raise self._mark_changed(f"its ETag is now {etag}")
+                if self._weak and self._last_modified is not None:
+                    modified = resp.get("LastModified")
+                    if modified is None:  # nothing left to tell a replacement by
+                        raise SourceError(
+                            f"{self.location}: weak ETag, and no Last-Modified in a ranged reply"
+                        )
+                    if modified != self._last_modified:
+                        raise self._mark_changed(f"it was modified at {modified:%Y-%m-%d %H:%M:%S}")
                 crange = resp.get("ContentRange")
                 if crange != expect:
                     whole = (
@@ -662,7 +685,8 @@ class S3Object:
             if status >= 500 or status == 429 or code in _RETRYABLE_CODES:
                 raise _Transient(f"HTTP {status} {code}") from None
             if not opening and (status == 412 or code == "PreconditionFailed"):
-                raise self._mark_changed("it was replaced (If-Match failed)") from None
+                failed = "If-Unmodified-Since" if self._weak else "If-Match"
+                raise self._mark_changed(f"it was replaced ({failed} failed)") from None
             if not opening and (status == 416 or code == "InvalidRange"):  # ranges inside the size at open
                 raise self._mark_changed("it is now shorter (a range inside it is invalid)") from None
             if code == "InvalidObjectState":  # GetObject on an archived object (403)

@@ -25,6 +25,8 @@ SDK's own loggers (urllib3 quotes the request target in some warnings) at INFO a
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import logging
 import re
 import threading
@@ -39,7 +41,8 @@ SESSION_REFRESH = 60.0  # the same for S3 Express URLs (their session credential
 EXPIRES = 900  # seconds a URL is valid: well past REFRESH (a signing may be slow), short if it leaks
 RETRY_AFTER = 600.0  # seconds the SDK serves an object whose server refused presigned URLs
 ERROR_BODY_MAX = 64 << 10  # bytes of an error reply read to find its <Code>
-_PARAMS = {"Range": "Range", "IfMatch": "If-Match"}  # get_object parameters sent as headers
+# get_object parameters sent as headers
+_PARAMS = {"Range": "Range", "IfMatch": "If-Match", "IfUnmodifiedSince": "If-Unmodified-Since"}
 # Replies that mean what they would mean to the SDK (not found, replaced, out of range, slow down);
 # any other 3xx/4xx, and 501, means "not with this URL": signed again, then asked through the SDK.
 _MEANINGFUL_4XX = frozenset({404, 408, 412, 416, 429})
@@ -146,7 +149,7 @@ class PresignedGets:
         if session is None or not set(params) <= set(_PARAMS) or not self._presigning():
             return client.get_object(**self._object, **params)
         headers = {"User-Agent": self._user_agent}
-        headers.update((_PARAMS[name], value) for name, value in params.items())
+        headers.update((_PARAMS[name], _header_value(value)) for name, value in params.items())
         url: str | None = None
         status = 0
         for _ in range(2):  # the current URL, then one signed afresh if that one was refused
@@ -227,6 +230,7 @@ class PresignedGets:
             n = int(length) if length is not None and length.isdigit() else None
             reply = {
                 "ETag": got.get("ETag"),
+                "LastModified": _http_date(got.get("Last-Modified")),
                 "ContentRange": got.get("Content-Range"),
                 "ContentLength": n,
                 "Body": StreamingBody(raw, n),
@@ -246,6 +250,23 @@ class PresignedGets:
         code = m.group(1).decode("ascii", "replace") if m else str(status)
         error = {"Error": {"Code": code, "Message": ""}, "ResponseMetadata": {"HTTPStatusCode": status}}
         raise ClientError(error, "GetObject")
+
+
+def _header_value(value) -> str:
+    """A get_object parameter as its header's text (dates as HTTP dates, as the SDK sends them)."""
+    if isinstance(value, datetime.datetime):
+        return email.utils.format_datetime(value.astimezone(datetime.timezone.utc), usegmt=True)
+    return str(value)
+
+
+def _http_date(text: str | None) -> datetime.datetime | None:
+    """An HTTP date header as the SDK returns it (an aware datetime), None when absent or unreadable."""
+    if not text:
+        return None
+    try:
+        return email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError):
+        return None
 
 
 class _GivenUp(Exception):
