@@ -66,7 +66,7 @@ import zstandard
 from cdmlfs import inflate, tar_stream
 from cdmlfs.errors import ArchiveFormatError, CdmlfsError, UsageError
 from cdmlfs.formats import tarheader as th
-from cdmlfs.formats.tar import EMBEDDED_INDEX_NIBBLE, encode_embedded_index
+from cdmlfs.formats.tar import EMBEDDED_INDEX_NIBBLE, decode_embedded_index, encode_embedded_index
 from cdmlfs.formats.tarmembers import HARDLINK, MemberTable
 from cdmlfs.index import DIR, FILE, SYMLINK
 from cdmlfs.safe_write import is_under
@@ -89,6 +89,10 @@ READ_CHUNK = 1 << 20
 # or more): a larger frame would be served in pieces, each random read decoding from the frame's start,
 # and its checksum checked only at its end.
 MAX_FRAME_SIZE = 64 << 20
+# Frames being compressed or waiting to be written hold their bytes twice (input and output):
+# their number is capped so that they stay within this, whatever --threads says (64 threads of
+# 64 MiB frames held 8 GiB).
+INFLIGHT_BUDGET = 1 << 30
 STORED_EXTENSIONS = frozenset(  # already compressed: deflating them again only costs time
     {
         *("jpg", "jpeg", "png", "gif", "webp", "avif", "heic", "heif", "jxl", "mp3", "m4a", "aac", "ogg"),
@@ -507,9 +511,10 @@ class _SeekableZstdSink(_TarSink):
         self._frames = 0  # cut so far (written or in flight)
         self._level = level
         self._local = threading.local()
+        threads = max(1, min(threads, INFLIGHT_BUDGET // (2 * frame_size)))
         self._pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
         self._inflight: deque[tuple[Future | bytes, int]] = deque()
-        self._max_inflight = 2 * threads
+        self._max_inflight = max(1, min(2 * threads, INFLIGHT_BUDGET // (2 * frame_size)))
 
     def _compress(self, data: bytes | bytearray | memoryview) -> bytes:
         cctx = getattr(self._local, "cctx", None)
@@ -570,7 +575,12 @@ class _SeekableZstdSink(_TarSink):
             self._drain_one()
         if self._pool is not None:
             self._pool.shutdown()
-        index_frame = skippable_frame(encode_embedded_index(members), EMBEDDED_INDEX_NIBBLE)
+        payload = encode_embedded_index(members)
+        try:  # the reader's own limits: an index it would refuse makes every first mount a scan
+            decode_embedded_index(payload, members.stream_size)
+        except ValueError as exc:
+            log.warning("the member index would not be used (%s): the archive mounts after a scan", exc)
+        index_frame = skippable_frame(payload, EMBEDDED_INDEX_NIBBLE)
         self._f.write(index_frame)
         self._f.write(seek_table_frame([*self._entries, (len(index_frame), 0)]))
 

@@ -1343,3 +1343,44 @@ def test_pack_refuses_a_tar_whose_listing_a_corrupt_header_ended(suffix: str, tm
         assert res.returncode == 1 and (as_archive or as_stream) and len(err.splitlines()) == 1, err
         assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
+
+
+def test_frames_in_flight_stay_within_the_memory_budget_whatever_the_thread_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to two frames per thread were held (input and output): --threads 64 with 64 MiB frames
+    could hold 8 GiB. The count is capped by a byte budget (lowered here to 8 frames' worth)."""
+    import threading
+
+    from cdmlfs import pack as packmod
+
+    frame = 64 << 10
+    monkeypatch.setattr(packmod, "INFLIGHT_BUDGET", 8 * frame)
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(40):
+        (src / f"f{i:02d}.bin").write_bytes(os.urandom(3 * frame))
+    lock, busy, peak = threading.Lock(), [0], {"compressing": 0, "held": 0}
+    compress, cut = packmod._SeekableZstdSink._compress, packmod._SeekableZstdSink._cut
+
+    def counting_compress(self, data):
+        with lock:
+            busy[0] += 1
+            peak["compressing"] = max(peak["compressing"], busy[0])
+        try:
+            return compress(self, data)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    def counting_cut(self, data):
+        cut(self, data)
+        peak["held"] = max(peak["held"], len(self._inflight))
+
+    monkeypatch.setattr(packmod._SeekableZstdSink, "_compress", counting_compress)
+    monkeypatch.setattr(packmod._SeekableZstdSink, "_cut", counting_cut)
+    out = tmp_path / "out.tar.zst"
+    packmod.pack(str(src), str(out), frame_size=frame, threads=64)
+    assert 1 <= peak["compressing"] <= 4 and 1 <= peak["held"] <= 4, peak  # 8 frames' bytes, twice each
+    with Archive(str(out), index_dir=str(tmp_path / "idx")) as ar:
+        assert all(ar.read(p.name) == p.read_bytes() for p in src.iterdir())

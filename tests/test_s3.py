@@ -341,7 +341,7 @@ def test_weak_etags_are_not_sent_as_if_match(moto_s3, proxy_to, tmp_path: Path) 
         assert remote.source.etag.startswith("W/")
         assert remote.read("m000.bin") == v1["m000.bin"]
         _stored_zip_on(moto_s3, "cons", "weak.zip", tmp_path, {k: bytes(len(v)) for k, v in v1.items()})
-        with pytest.raises(SourceChangedError, match="ETag is now|If-Unmodified-Since failed"):
+        with pytest.raises(SourceChangedError, match=r"ETag is now|If-Unmodified-Since failed"):
             remote.read("m050.bin")
 
 

@@ -1574,6 +1574,24 @@ def test_an_embedded_index_is_not_decoded_past_its_own_header_or_a_sane_ratio(
     assert grew_mib < 64, grew_mib
 
 
+def test_a_packed_index_of_long_repetitive_names_is_used_not_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """600 empty members under one 30 KB pax folder: their table shrinks past 1024x, and the
+    reader refused pack's own index as a forgery (a full scan at every first mount)."""
+    folder = "/".join(["d" * 250] * 120)
+    src = tmp_path / "long.tar"
+    with tarfile.open(src, "w", format=tarfile.PAX_FORMAT) as tf:
+        for i in range(600):
+            tf.addfile(tarfile.TarInfo(f"{folder}/f{i:06d}"), io.BytesIO())
+    with caplog.at_level(logging.WARNING):
+        archive = cdmlfs_pack(src, tmp_path / "long.tar.zst")
+        with Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
+            assert ar.format.index_source == "embedded"
+            assert len(ar.listdir(folder)) == 600
+    assert "embedded index is unusable" not in caplog.text
+
+
 def test_member_names_that_add_up_past_the_budget_are_refused_while_scanning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -684,6 +684,9 @@ def encode_embedded_index(members: MemberTable) -> bytes:
 
 
 EMBEDDED_INDEX_MAX_RATIO = 1024
+# Tables up to this size decode whatever their ratio: long repetitive names (pax paths of tens of
+# KB under one folder) shrink past 1024x, and pack's own table was refused (a scan at every mount).
+EMBEDDED_INDEX_RATIO_FLOOR = 64 << 20
 
 
 def decode_embedded_index(payload: bytes, stream_size: int = 1 << 40) -> MemberTable:
@@ -711,6 +714,7 @@ def decode_embedded_index(payload: bytes, stream_size: int = 1 << 40) -> MemberT
     limit = min(1 << 32, 64 * (stream_size // th.BLOCK + 1) + 6 * stream_size + (1 << 20))
     # stream_size is the seek table's claim, not checked until frames are decoded: a 16 KB file
     # claiming 4 GiB decoded a gigabyte of forged table. Tables that cdmlfs pack writes shrink
-    # 2-15x (CRCs and offsets barely compress); beyond 1024x the payload is not one of them.
-    limit = min(limit, EMBEDDED_INDEX_MAX_RATIO * len(body) + (1 << 20))
+    # 2-15x (CRCs and offsets barely compress) unless their names repeat at length; beyond 1024x,
+    # and larger than the floor, the payload is not one of them.
+    limit = min(limit, max(EMBEDDED_INDEX_RATIO_FLOOR, EMBEDDED_INDEX_MAX_RATIO * len(body) + (1 << 20)))
     return MemberTable.decode(decompress_bounded(body, limit, MemberTable.encoded_length))
