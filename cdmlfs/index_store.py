@@ -121,7 +121,10 @@ def _usable_dir(path: str) -> bool:
 class IndexStore:
     """A directory of persisted indexes. ``load``/``save`` never raise for I/O problems: they log."""
 
-    def __init__(self, directory: str | os.PathLike | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike | None = None, enabled: bool = True) -> None:
+        # Disabled for sources whose identity says nothing of their bytes (a block device: another
+        # medium behind the same node read through the old index): nothing is loaded nor saved.
+        self.enabled = enabled
         self.directory = os.fspath(directory) if directory else default_index_dir()
         if directory and os.path.exists(self.directory) and not os.path.isdir(self.directory):
             # Asked for by name (--index-dir): a mistake worth one clear line, not a warning per use.
@@ -165,6 +168,9 @@ class IndexStore:
         failed one after another, each after a scan of its own. A later open scans again.
         """
         path = self.path_for(identity)
+        if not self.enabled:
+            yield BuildTurn(path + ".failed", identity, False)  # no lock, no notes
+            return
         taken = _BuildLock.take(path + ".lock", self.directory, identity.location)
         lock, waited = taken if taken is not None else (None, False)
         turn = BuildTurn(path + ".failed", identity, waited)
@@ -182,6 +188,8 @@ class IndexStore:
 
     def load(self, identity: SourceIdentity, kind: str) -> bytes | None:
         """The payload saved for exactly this identity and kind, or None (absent, stale or corrupt)."""
+        if not self.enabled:
+            return None
         path = self.path_for(identity)
         got = self._load_path(path, identity, kind)
         if got is _ABSENT:  # saved before names carried the uid: as good, when it is ours
@@ -256,7 +264,9 @@ class IndexStore:
         return plain[pos:]
 
     def save(self, identity: SourceIdentity, kind: str, payload: bytes) -> str | None:
-        """Write atomically; returns the path, or None when the directory is not writable."""
+        """Write atomically; returns the path, or None when the directory is not writable (or disabled)."""
+        if not self.enabled:
+            return None
         key = identity.key().encode("utf-8", "surrogateescape")
         kind_b = kind.encode()
         plain = struct.pack("<I", len(key)) + key + struct.pack("<I", len(kind_b)) + kind_b + payload

@@ -508,7 +508,7 @@ class TarFormat:
         self.source = source
         self.name = "tar.zst" if compressed else "tar"
         self.index_source = ""  # "embedded", "cache" or "scan": how the member table was obtained
-        self.store = IndexStore(index_dir)
+        self.store = IndexStore(index_dir, enabled=getattr(source, "persist_index", True))
         self._mtime = getattr(source, "mtime", 0.0)
         if compressed:
             members, frames = self._open_zstd(progress)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import threading
@@ -11,6 +12,8 @@ from cdmlfs import forksafe
 from cdmlfs.errors import ArchiveNotFoundError, SourceError, UsageError
 from cdmlfs.sources.base import SourceIdentity
 
+FINGERPRINT_END = 64 << 10  # bytes hashed at each end of the file (see _fingerprint)
+FINGERPRINT_SAMPLE = 4 << 10  # and at 16 places between
 RETIRED_MAX = 64  # descriptor numbers of closed files kept pointing at /dev/null (see LocalFile.close)
 
 
@@ -50,7 +53,10 @@ class LocalFile:
         # the ctime keys the saved index only, since chmod moves it too (see SourceIdentity).
         # Not the device number: NFS clients each number the same export differently, and nodes
         # sharing a home then took each other's saved index for stale, each scanning again.
-        self.identity = _identity(self.path, st, self.size)
+        # A block device's node says nothing of the medium behind it (another loop image, another
+        # stick of the same size): its tar index is not persisted.
+        self.persist_index = stat.S_ISREG(st.st_mode)
+        self.identity = _identity(self.path, st, self.size, _fingerprint(fd, self.size))
         self.mtime = st.st_mtime
         self.bytes_read = 0  # through read_at (for cdmlfs stats)
 
@@ -146,5 +152,26 @@ class _RetiredDescriptors:
 _retired = _RetiredDescriptors()
 
 
-def _identity(path: str, st: os.stat_result, size: int) -> SourceIdentity:
-    return SourceIdentity(path, size, f"{st.st_mtime_ns}.{st.st_ino}", str(st.st_ctime_ns))
+def _identity(path: str, st: os.stat_result, size: int, fingerprint: str = "") -> SourceIdentity:
+    changed = f"{st.st_ctime_ns}.{fingerprint}" if fingerprint else str(st.st_ctime_ns)
+    return SourceIdentity(path, size, f"{st.st_mtime_ns}.{st.st_ino}", changed)
+
+
+def _fingerprint(fd: int, size: int) -> str:
+    """A hash of some of the file's bytes: its first and last 64 KiB and 4 KiB at 16 places between.
+
+    Why: the saved index is keyed by size, mtime, inode and ctime, and where the ctime is only the
+    mtime (sshfs, and FUSE mounts such as cdmlfs's own: a tar inside a mounted zip) and inode
+    numbers are handed out in order, another archive at the same path matched all four, and its
+    members were read through the old index (wrong bytes, no error). Some 200 KiB read at open
+    tell such archives apart; only the saved index's key uses it.
+    """
+    h = hashlib.blake2b(digest_size=12)
+    spots = [(0, FINGERPRINT_END), (max(0, size - FINGERPRINT_END), FINGERPRINT_END)]
+    spots += [(size * i // 17, FINGERPRINT_SAMPLE) for i in range(1, 17)]
+    try:
+        for offset, length in spots:
+            h.update(os.pread(fd, min(length, max(0, size - offset)), offset))
+    except OSError:
+        return ""  # the key falls back to the stat fields (the read that fails later says why)
+    return h.hexdigest()
