@@ -52,6 +52,11 @@ HEADER = struct.Struct("<8sHHIQ")
 MAX_INDEX_FILE = 4 << 30
 HEAD_BYTES = 4096  # what decompress_bounded decodes before asking how long the whole is
 STALE_TEMP_SECONDS = 3600  # a temporary file this old was left by a save that was killed
+# An index not used for this long is removed (with its lock and note files) when another is saved:
+# archives written to fresh paths (a pipeline's temporary ones) each left an index for ever.
+UNUSED_SECONDS = 30 * 86400
+TOUCH_AFTER_SECONDS = 86400  # a load marks its file used (its mtime) at most once a day
+_OWN_SUFFIXES = (".idx", ".idx.lock", ".idx.failed")
 # No link followed (a link planted in a shared directory), no FIFO waited on, no terminal made
 # the controlling one of a session leader that has none (a container's PID 1).
 _OPEN_FLAGS = os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NOCTTY
@@ -231,10 +236,14 @@ class IndexStore:
             log.warning("index file %s is too large to read here: rebuilding the index", path)
             return None
         try:
-            return self._decode(raw, identity, kind)
+            payload = self._decode(raw, identity, kind)
         except ValueError as exc:
             log.info("ignoring index file %s: %s; rebuilding the index", path, exc)
             return None
+        if time.time() - st.st_mtime > TOUCH_AFTER_SECONDS:  # used: kept from removal a while longer
+            with contextlib.suppress(OSError):
+                os.utime(path, follow_symlinks=False)
+        return payload
 
     @staticmethod
     def _decode(raw: bytes, identity: SourceIdentity, kind: str) -> bytes:
@@ -284,7 +293,7 @@ class IndexStore:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
             tmp = None
-            self._remove_stale_temps()
+            self._remove_leftovers()
             self._remove_unnamed_by_user(path)
         except OSError as exc:
             log.warning(
@@ -299,22 +308,28 @@ class IndexStore:
                     os.unlink(tmp)
         return path
 
-    def _remove_stale_temps(self) -> None:
-        """Temporary files of saves that were killed (OOM killer, a pod's grace period over): each
-        was a whole index, left for ever. This user's own, and old enough that no save is writing."""
+    def _remove_leftovers(self) -> None:
+        """This user's files nobody will use: temporary files of saves that were killed (OOM killer,
+        a pod's grace period over; each was a whole index) once old enough that no save is writing,
+        and indexes not loaded for UNUSED_SECONDS (archives that are gone, or no longer opened), with
+        their lock and note files."""
         now = time.time()
         uid = os.geteuid()
         with contextlib.suppress(OSError), os.scandir(self.directory) as it:
             for entry in it:
-                if not (entry.name.startswith(".tmp-") and entry.name.endswith(".idx")):
+                temp = entry.name.startswith(".tmp-") and entry.name.endswith(".idx")
+                if not temp and not entry.name.endswith(_OWN_SUFFIXES):
                     continue
                 with contextlib.suppress(OSError):
                     st = entry.stat(follow_symlinks=False)
-                    if (
-                        stat.S_ISREG(st.st_mode)
-                        and st.st_uid == uid
-                        and now - st.st_mtime > STALE_TEMP_SECONDS
-                    ):
+                    if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+                        continue
+                    age = now - st.st_mtime
+                    # A lock or note goes with its index (the lock of an index in use is old too).
+                    unused = age > UNUSED_SECONDS and (
+                        entry.name.endswith(".idx") or _unused_since(_index_of(entry.path), now)
+                    )
+                    if (age > STALE_TEMP_SECONDS) if temp else unused:
                         os.unlink(entry.path)
 
     @staticmethod
@@ -331,6 +346,19 @@ class IndexStore:
 
 
 _ABSENT = object()  # no file at a path (as opposed to a file that is not usable)
+
+
+def _unused_since(path: str, now: float) -> bool:
+    """Whether the index file at ``path`` is gone or unused for UNUSED_SECONDS."""
+    try:
+        return now - os.stat(path, follow_symlinks=False).st_mtime > UNUSED_SECONDS
+    except OSError:
+        return True
+
+
+def _index_of(path: str) -> str:
+    """The index file a lock or note file belongs to."""
+    return path.rsplit(".idx.", 1)[0] + ".idx"
 
 
 def _unnamed(path: str) -> str:
@@ -401,6 +429,17 @@ class _BuildLock:
             os.makedirs(directory, mode=0o700, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o600)
         except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            return None
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            # Planted by another user in a shared directory (with fs.protected_regular off, the open
+            # succeeds): holding an flock on it kept this user's every open waiting for ever.
+            os.close(fd)
+            log.warning("lock file %s is not this user's own: indexing without it", path)
             return None
         waited = False
         try:

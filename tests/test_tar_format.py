@@ -445,6 +445,30 @@ def test_a_huge_file_at_the_index_path_is_rebuilt_under_an_address_space_limit(
     assert os.path.getsize(path) < 1 << 20  # replaced by the rebuilt index
 
 
+def test_indexes_unused_for_a_month_go_when_another_is_saved(tmp_path: Path, many_files: Path) -> None:
+    """Every archive ever opened left its index (and a lock file) for ever: a pipeline writing
+    archives to fresh paths filled the cache directory. An index loaded now and then stays."""
+    idx = tmp_path / "idx"
+    month_ago = time.time() - 40 * 86400
+    names = ("gone", "used", "new")
+    archives = {name: gnu_tar(tmp_path / f"{name}.tar", many_files, "pax") for name in names}
+    paths = {}
+    for name in ("gone", "used"):
+        with Archive(str(archives[name]), index_dir=str(idx)) as ar:
+            assert ar.format.index_source == "scan"
+            paths[name] = IndexStore(str(idx)).path_for(ar.source.identity)
+        for leftover in (paths[name], paths[name] + ".lock"):
+            os.utime(leftover, (month_ago, month_ago))
+    with Archive(str(archives["used"]), index_dir=str(idx)) as ar:  # a load marks it used
+        assert ar.format.index_source == "cache"
+    with Archive(str(archives["new"]), index_dir=str(idx)) as ar:  # a save removes what is unused
+        assert ar.format.index_source == "scan"
+    assert not os.path.exists(paths["gone"]) and not os.path.exists(paths["gone"] + ".lock")
+    assert os.path.exists(paths["used"]) and os.path.exists(paths["used"] + ".lock")
+    with Archive(str(archives["used"]), index_dir=str(idx)) as ar:
+        assert ar.format.index_source == "cache"
+
+
 def test_temporary_files_of_killed_saves_are_removed(tmp_path: Path, many_files: Path) -> None:
     """A save killed (OOM killer, end of a pod's grace period) left its temporary file, a whole
     index, for ever: old ones of this user are removed by the next save; a fresh one is kept
@@ -526,6 +550,48 @@ def test_a_child_forked_while_an_index_is_built_does_not_hold_the_lock(tmp_path:
     finally:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
+
+
+def test_a_lock_file_planted_by_another_user_does_not_hold_an_open_for_ever(tmp_path: Path) -> None:
+    """In a shared index directory another user could create this user's lock file (its name is
+    predictable) and hold an flock on it: every open of the archive waited for ever."""
+    import fcntl
+
+    from cdmlfs.sources.base import SourceIdentity
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to plant a file owned by another user")
+    store = IndexStore(str(tmp_path / "idx"))
+    identity = SourceIdentity(str(tmp_path / "a.tar"), 1, "v1")
+    lock_path = store.path_for(identity) + ".lock"
+    os.makedirs(store.directory, exist_ok=True)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    os.fchown(fd, 65534, 65534)
+    holder = subprocess.Popen(  # another process holds it (an flock taken here would be ours)
+        [sys.executable, "-c", f"import fcntl, time; fcntl.flock({fd}, fcntl.LOCK_EX); "
+         "print('held', flush=True); time.sleep(60)"],
+        pass_fds=(fd,), stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        done = threading.Event()
+
+        def build() -> None:
+            with store.building(identity):
+                done.set()
+
+        threading.Thread(target=build, daemon=True).start()
+        assert done.wait(5), "waited on a lock file another user planted"
+        other = os.open(lock_path, os.O_RDWR)  # the planted lock is still held: not ours to take
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(other)
+    finally:
+        holder.kill()
+        holder.wait()
+        os.close(fd)
 
 
 def test_index_files_planted_as_links_are_not_followed(tmp_path: Path, many_files: Path) -> None:
