@@ -223,7 +223,7 @@ def test_long_scan_receives_into_recycled_buffers_over_kept_alive_connections(
     data = random.Random(6).randbytes(96 * MiB)
     _stored_zip_on(localbucket_s3, "bench", "scan.zip", tmp_path, {"large.bin": data})
     proxy = proxy_to(localbucket_s3)
-    # The default cache (512 MiB): 8 MiB parts and four spares (a sixteenth of the cache).
+    # The default cache (512 MiB): 16 MiB parts and two spares (a sixteenth of the cache); 12 parts.
     with Archive("s3://bench/scan.zip", endpoint_url=proxy.url) as remote:
         proxy.reset_stats()
         for _ in range(2):  # the second pass reuses what the first one dropped behind
@@ -234,11 +234,11 @@ def test_long_scan_receives_into_recycled_buffers_over_kept_alive_connections(
                     digest.update(memoryview(buf)[:n])
             assert digest.digest() == hashlib.sha256(data).digest()
         stats = remote.source.stats()
-        assert stats["buffers_reused"] >= 4  # a short scan: most parts are requested before any drop
-        assert stats["dropped_behind"] >= 16
+        assert stats["buffers_reused"] >= 2  # a short scan: most parts are requested before any drop
+        assert stats["dropped_behind"] >= 8
         assert remote.cache.held + remote.cache.reserved <= remote.cache.limit
         # Bodies received into buffers hand their connection back: no new connection per request.
-        assert proxy.stats.requests >= 24
+        assert proxy.stats.requests >= 12
         assert proxy.stats.connections <= 16 + 2
     assert remote.cache.reserved == 0  # closing gave back the spares' reservations
 

@@ -1,6 +1,6 @@
 """Recycled receive buffers for sequential remote reads.
 
-A sequential scan of a large member receives one part (8 MiB) after another,
+A sequential scan of a large member receives one part (16 MiB) after another,
 keeps each in the cache while the reader passes through it, then drops it.
 With a fresh allocation per part, every byte received lands on a page the
 kernel must first fault in and zero, and glibc hands freed parts back to the

@@ -162,7 +162,7 @@ class S3Object:
         profile: str | None = None,
         addressing_style: str | None = None,
         max_connections: int = 16,
-        part_size: int = 8 * MiB,
+        part_size: int = 16 * MiB,
         connect_timeout: float = 5.0,
         read_timeout: float = 20.0,
         retry: RetryPolicy | None = None,
