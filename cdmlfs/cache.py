@@ -168,7 +168,9 @@ class ExtentCache:
         """
         if nbytes > self.limit:
             raise ValueError(f"reservation of {nbytes} bytes exceeds the cache limit of {self.limit}")
-        with self._room:
+        # The Condition's own lock, taken plainly: Condition.__enter__/__exit__ are Python code, and
+        # a Ctrl-C landing inside them left the lock held (every later read and close() hung).
+        with self._lock:
             while self._reserved + nbytes > self.limit:
                 if not wait:
                     return None
@@ -185,7 +187,7 @@ class ExtentCache:
         return token
 
     def _release(self, token: Reservation) -> None:
-        with self._room:
+        with self._lock:
             # Zeroed first: interrupted in between, a token leaks room rather than releasing twice.
             n, token.remaining = token.remaining, 0
             self._reserved -= n
@@ -193,7 +195,7 @@ class ExtentCache:
 
     def _commit(self, token: Reservation, key: Hashable, value: object) -> None:
         size = _nbytes(value)
-        with self._room:
+        with self._lock:
             n, token.remaining = token.remaining, 0
             self._reserved -= n
             if size <= self.limit - self._reserved:

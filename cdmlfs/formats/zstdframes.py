@@ -559,11 +559,14 @@ class FrameWorker(Decoders):
         """
         with self._lock:
             spare = self._spares.pop() if self._spares else None
+        if spare is not None:
+            # Let go before anything else can fail (_wake may not start a thread, Ctrl-C): the
+            # room was lost for good otherwise. The caller holds a reservation for the frame.
+            spare[1].release()
         if wake:
             self._wake()
         if spare is not None:
-            buf, room = spare
-            room.release()  # the caller holds a reservation for the frame itself
+            buf = spare[0]
             if size <= len(buf):
                 if size < len(buf):
                     buf.resize(size)  # mremap: shrinks in place, the populated pages stay

@@ -738,35 +738,32 @@ class ZstdStream:
             if cur.users == 0:
                 self._cursor_freed.notify_all()
 
-    @contextlib.contextmanager
-    def _locked_cursor(self, i: int, target: int, key: Hashable, create: bool = True):
-        """``_cursor`` under its lock, as ``(decoder, None)``; chosen again when another reader moved
-        it past ``target`` while we waited (continuing there would restart it and undo that
-        reader's progress). ``(None, piece)`` when that reader decoded the piece ``key`` we wait
-        for: it is in the cache (pieces are committed before their decoder's lock is let go).
-        Without ``create`` (decoding ahead), only an existing decoder at or before ``target`` is
-        taken: ``(None, None)`` when there is none (a new one could push out a live one)."""
+    def _chosen_cursor(
+        self, i: int, target: int, key: Hashable, create: bool = True
+    ) -> tuple[_Cursor | None, bytes | None]:
+        """``_cursor`` under its lock, as ``(decoder, None)`` (the caller ``_release``s it); chosen
+        again when another reader moved it past ``target`` while we waited (continuing there would
+        restart it and undo that reader's progress). ``(None, piece)`` when that reader decoded the
+        piece ``key`` we wait for: it is in the cache (pieces are committed before their decoder's
+        lock is let go). Without ``create`` (decoding ahead), only an existing decoder at or before
+        ``target`` is taken: ``(None, None)`` when there is none (a new one could push out a live one).
+
+        A plain call, not a context manager: a Ctrl-C landing in contextlib's ``__exit__`` left
+        the release to the generator's garbage collection, which a traceback kept alive (a REPL
+        keeps the last one): the decoder stayed claimed and locked, and its readers waited."""
         for _ in range(3):
             cur = self._claim_locked(i, target, create)
             if cur is None:
-                yield None, None
-                return
+                return None, None
             if cur.reader is None or cur.pos <= target:
-                break
+                return cur, None
             self._release(cur)
             done = self._cache.peek(key) if self._cache is not None else None
             if done is not None:
-                yield None, done
-                return
-        else:
-            if not create:
-                yield None, None
-                return
-            cur = self._claim_locked(i, target, True)  # still passed: it restarts
-        try:
-            yield cur, None
-        finally:
-            self._release(cur)
+                return None, done
+        if not create:
+            return None, None
+        return self._claim_locked(i, target, True), None  # still passed: it restarts
 
     def _claim_locked(self, i: int, target: int, create: bool) -> _Cursor | None:
         """A decoder for ``target`` (``_cursor``; without ``create`` only an existing one, or
@@ -832,9 +829,10 @@ class ZstdStream:
             done = self._cache.peek(key)
             if done is not None:
                 return None if prefetching else done
-        with self._locked_cursor(i, target, key, create=not prefetching) as (cur, done):
-            if cur is None:  # the piece is cached now (or, decoding ahead, no decoder to continue)
-                return None if prefetching else done
+        cur, done = self._chosen_cursor(i, target, key, create=not prefetching)
+        if cur is None:  # the piece is cached now (or, decoding ahead, no decoder to continue)
+            return None if prefetching else done
+        try:
             if self._cache is not None:
                 done = self._cache.peek(key)
                 if done is not None:  # decoded ahead while we waited for the decoder
@@ -870,6 +868,8 @@ class ZstdStream:
                 # continuing it would serve every later piece shifted. It restarts instead.
                 cur.reader = None
                 raise
+        finally:
+            self._release(cur)
         return data
 
     def _skip_to(self, cur: _Cursor, i: int, target: int, piece: int, where: str, frame_size: int) -> None:
