@@ -84,7 +84,7 @@ class MemoryIndexStore:
     saved: ClassVar[dict[tuple[str, str], bytes]] = {}
     injected: ClassVar[dict[str, bytes]] = {}
 
-    def __init__(self, directory=None) -> None:
+    def __init__(self, directory=None, enabled: bool = True) -> None:
         pass
 
     def load(self, identity: SourceIdentity, kind: str) -> bytes | None:
