@@ -24,6 +24,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import stat
 import struct
 import tempfile
@@ -56,7 +57,9 @@ STALE_TEMP_SECONDS = 3600  # a temporary file this old was left by a save that w
 # archives written to fresh paths (a pipeline's temporary ones) each left an index for ever.
 UNUSED_SECONDS = 30 * 86400
 TOUCH_AFTER_SECONDS = 86400  # a load marks its file used (its mtime) at most once a day
-_OWN_SUFFIXES = (".idx", ".idx.lock", ".idx.failed")
+# Only names path_for gives (or gave, before they carried the uid): --index-dir may name any folder,
+# and other tools' ".idx" files there (DALI's TFRecord indexes) are not ours to remove.
+_OWN_NAME = re.compile(r".+-[0-9a-f]{16}(-u[0-9]+)?\.idx(\.lock|\.failed)?")
 # No link followed (a link planted in a shared directory), no FIFO waited on, no terminal made
 # the controlling one of a session leader that has none (a container's PID 1).
 _OPEN_FLAGS = os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NOCTTY
@@ -318,7 +321,7 @@ class IndexStore:
         with contextlib.suppress(OSError), os.scandir(self.directory) as it:
             for entry in it:
                 temp = entry.name.startswith(".tmp-") and entry.name.endswith(".idx")
-                if not temp and not entry.name.endswith(_OWN_SUFFIXES):
+                if not temp and not _OWN_NAME.fullmatch(entry.name):
                     continue
                 with contextlib.suppress(OSError):
                     st = entry.stat(follow_symlinks=False)

@@ -226,7 +226,8 @@ class FaultProxy:
         # Standing misbehaviours of a non-compliant server, on ranged GETs: "weak_etag" (W/ ETags),
         # "no_etag" (none on replies to non-suffix ranges), "ignore_if_match" (If-Match dropped);
         # "metadata_etag": one weak ETag whatever the bytes (a server deriving it from metadata);
-        # "ignore_if_unmodified_since" (If-Unmodified-Since dropped);
+        # "ignore_if_unmodified_since" (If-Unmodified-Since dropped); "no_last_modified" (none on
+        # replies to non-suffix ranges);
         # "stall_head_prefetch": the open's optional request for the first 4 KiB stalls (once);
         # "refuse_query_auth": 403 to every request authenticated by its query string (a presigned
         # URL), as a store without query authentication answers; "refuse_query_auth_once": the next.
@@ -425,13 +426,15 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         for k, v in resp.getheaders():
             if k.lower() in _HOP:
                 continue
-            if ranged and k.lower() == "etag":
-                if "no_etag" in owner.quirks and not suffix:
+            if (ranged or self.command == "HEAD") and k.lower() == "etag":  # HEAD: the same server
+                if "no_etag" in owner.quirks and not suffix and ranged:
                     continue
                 if "weak_etag" in owner.quirks:
                     v = "W/" + v
                 if "metadata_etag" in owner.quirks:
                     v = 'W/"metadata"'
+            if ranged and not suffix and k.lower() == "last-modified" and "no_last_modified" in owner.quirks:
+                continue
             self.send_header(k, v)
         if fault == "bad_header":  # urllib3 warns "Failed to parse headers (url=...)" and goes on
             self._headers_buffer.append(b"this header line has no colon\r\n")

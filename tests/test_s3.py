@@ -365,12 +365,49 @@ def test_a_weak_etag_that_outlives_a_replacement_is_backed_by_last_modified(
     with remote:
         assert remote.source.etag == 'W/"metadata"'
         assert "weak ETag" in caplog.text and "Last-Modified" in caplog.text
+        # A dataset reopens an archive whose HEAD shows the same bytes: the identities must agree.
+        assert remote.source.probe_identity().same_bytes(remote.source.identity)
         assert remote.read("m000.bin") == v1["m000.bin"]
         assert (proxy.if_unmodified_since > 0) == enforced
         time.sleep(1.1)  # Last-Modified counts whole seconds
         _stored_zip_on(moto_s3, "cons", "meta.zip", tmp_path, {k: bytes(len(v)) for k, v in v1.items()})
         with pytest.raises(SourceChangedError, match="changed after it was opened"):
             remote.read("m050.bin")
+
+
+def test_weak_etag_replies_without_last_modified_are_read_on_the_etag_alone(
+    moto_s3, proxy_to, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server leaving Last-Modified off ranged replies (it sent one with the first) worked on
+    the ETag alone before reads were pinned to it: it still does, with a warning."""
+    rng = random.Random(6)
+    v1 = {f"m{i:03d}.bin": rng.randbytes(64 << 10) for i in range(20)}
+    _stored_zip_on(moto_s3, "cons", "nolm.zip", tmp_path, v1)
+    proxy = proxy_to(moto_s3)
+    proxy.quirks |= {"weak_etag", "no_last_modified", "ignore_if_unmodified_since"}
+    with (
+        caplog.at_level("WARNING", logger="cdmlfs"),
+        Archive("s3://cons/nolm.zip", endpoint_url=proxy.url, retry=FAST_RETRY) as remote,
+    ):
+        assert all(remote.read(name) == data for name, data in v1.items())
+    assert caplog.text.count("no Last-Modified on ranged replies") == 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["Mon, 01 Jan 2024 00:00:00 GMT", "Mon, 01 Jan 2024 00:00:00 -0000", "Mon Jan  1 00:00:00 2024",
+     "2024-01-01T00:00:00.250Z"],
+)  # fmt: skip
+def test_last_modified_in_any_date_form_the_sdk_reads_is_an_aware_time(text: str) -> None:
+    """Naive times (asctime, -0000) compared unequal with the SDK's aware one: every read EIO."""
+    import datetime
+
+    from cdmlfs.sources.s3_presigned import _http_date
+
+    when = _http_date(text)
+    assert when is not None and when.tzinfo is not None
+    new_year = datetime.datetime(2024, 1, 1, tzinfo=datetime.timezone.utc)
+    assert int(when.timestamp()) == int(new_year.timestamp())
 
 
 def test_a_pickled_archive_refuses_another_version(moto_s3, tmp_path: Path) -> None:

@@ -453,6 +453,10 @@ def test_indexes_unused_for_a_month_go_when_another_is_saved(tmp_path: Path, man
     names = ("gone", "used", "new")
     archives = {name: gnu_tar(tmp_path / f"{name}.tar", many_files, "pax") for name in names}
     paths = {}
+    idx.mkdir()
+    foreign = idx / "train-00000.tfrecord.idx"  # --index-dir may be any folder (DALI's indexes)
+    foreign.write_text("0 100\n")
+    os.utime(foreign, (month_ago, month_ago))
     for name in ("gone", "used"):
         with Archive(str(archives[name]), index_dir=str(idx)) as ar:
             assert ar.format.index_source == "scan"
@@ -464,6 +468,7 @@ def test_indexes_unused_for_a_month_go_when_another_is_saved(tmp_path: Path, man
     with Archive(str(archives["new"]), index_dir=str(idx)) as ar:  # a save removes what is unused
         assert ar.format.index_source == "scan"
     assert not os.path.exists(paths["gone"]) and not os.path.exists(paths["gone"] + ".lock")
+    assert (idx / "train-00000.tfrecord.idx").exists()  # another tool's index: not ours to remove
     assert os.path.exists(paths["used"]) and os.path.exists(paths["used"] + ".lock")
     with Archive(str(archives["used"]), index_dir=str(idx)) as ar:
         assert ar.format.index_source == "cache"

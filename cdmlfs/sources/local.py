@@ -40,6 +40,10 @@ class LocalFile:
                 raise UsageError(f"{path}: not a regular file")
             os.set_blocking(fd, True)  # pread ignores it on files; keep the descriptor ordinary anyway
             self.size = st.st_size if stat.S_ISREG(st.st_mode) else os.lseek(fd, 0, os.SEEK_END)
+            # A block device's node says nothing of the medium behind it (another loop image, another
+            # stick of the same size): its tar index is not persisted, and needs no fingerprint.
+            self.persist_index = stat.S_ISREG(st.st_mode)
+            fingerprint = _fingerprint(fd, self.size) if self.persist_index else ""
         except OSError as exc:
             os.close(fd)
             raise UsageError(f"{path}: cannot open: {exc.strerror}") from None
@@ -53,10 +57,7 @@ class LocalFile:
         # the ctime keys the saved index only, since chmod moves it too (see SourceIdentity).
         # Not the device number: NFS clients each number the same export differently, and nodes
         # sharing a home then took each other's saved index for stale, each scanning again.
-        # A block device's node says nothing of the medium behind it (another loop image, another
-        # stick of the same size): its tar index is not persisted.
-        self.persist_index = stat.S_ISREG(st.st_mode)
-        self.identity = _identity(self.path, st, self.size, _fingerprint(fd, self.size))
+        self.identity = _identity(self.path, st, self.size, fingerprint)
         self.mtime = st.st_mtime
         self.bytes_read = 0  # through read_at (for cdmlfs stats)
 
@@ -167,8 +168,9 @@ def _fingerprint(fd: int, size: int) -> str:
     tell such archives apart; only the saved index's key uses it.
     """
     h = hashlib.blake2b(digest_size=12)
-    spots = [(0, FINGERPRINT_END), (max(0, size - FINGERPRINT_END), FINGERPRINT_END)]
+    spots = [(0, FINGERPRINT_END)]  # in file order: a reader decoding as it goes passes once
     spots += [(size * i // 17, FINGERPRINT_SAMPLE) for i in range(1, 17)]
+    spots.append((max(0, size - FINGERPRINT_END), FINGERPRINT_END))
     try:
         for offset, length in spots:
             h.update(os.pread(fd, min(length, max(0, size - offset)), offset))

@@ -27,6 +27,7 @@ signed request headers, so their loggers are capped at INFO.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import logging
 import os
@@ -142,6 +143,22 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     return bucket, key
 
 
+def _whole_seconds(when: datetime.datetime) -> int:
+    """Seconds since the epoch (a naive time is UTC, as HTTP dates are)."""
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return int(when.timestamp())
+
+
+def _version(etag: str, last_modified: datetime.datetime | None) -> str:
+    """The identity's version: the ETag; for a weak one, with the Last-Modified second as well (a
+    weak ETag may stay the same when the bytes change, servers deriving it from size and mtime)."""
+    if etag.strip().startswith("W/"):
+        when = _whole_seconds(last_modified) if last_modified is not None else 0
+        return f"{etag.strip()}@{when}"
+    return _etag(etag)
+
+
 def _etag(value: str | None) -> str:
     return (value or "").strip().removeprefix("W/").strip('"')
 
@@ -214,12 +231,9 @@ class S3Object:
         self._weak = self.etag.strip().startswith("W/")
         last_modified = getattr(self, "_last_modified", None)
         self.mtime = last_modified.timestamp() if last_modified is not None else 0.0
-        version = _etag(self.etag)
+        self._no_modified_warned = False
+        version = _version(self.etag, last_modified)
         if self._weak:
-            # A weak ETag may stay the same when the bytes change (servers that derive it from
-            # size and mtime): If-Match cannot pin it, so reads are pinned to Last-Modified too,
-            # and the persisted index is keyed by both.
-            version = f"{self.etag.strip()}@{self.mtime:.0f}"
             log.warning(
                 "%s: the server sends a weak ETag (%s): reads are pinned to it and to the object's "
                 "Last-Modified; a replacement keeping both (same size, mtime set back) would go unseen",
@@ -284,7 +298,8 @@ class S3Object:
                 raise
 
         resp = self._with_retries(attempt, "HEAD")
-        return SourceIdentity(self.location, int(resp.get("ContentLength") or 0), _etag(resp.get("ETag")))
+        version = _version(resp.get("ETag") or "", resp.get("LastModified"))
+        return SourceIdentity(self.location, int(resp.get("ContentLength") or 0), version)
 
     @property
     def bytes_read(self) -> int:
@@ -505,13 +520,7 @@ class S3Object:
                 if _etag(etag) != _etag(self.etag):
                     raise self._mark_changed(f"its ETag is now {etag}")
                 if self._weak and self._last_modified is not None:
-                    modified = resp.get("LastModified")
-                    if modified is None:  # nothing left to tell a replacement by
-                        raise SourceError(
-                            f"{self.location}: weak ETag, and no Last-Modified in a ranged reply"
-                        )
-                    if modified != self._last_modified:
-                        raise self._mark_changed(f"it was modified at {modified:%Y-%m-%d %H:%M:%S}")
+                    self._check_modified(resp.get("LastModified"))
                 crange = resp.get("ContentRange")
                 if crange != expect:
                     whole = (
@@ -537,6 +546,18 @@ class S3Object:
             if not self._closed:
                 self._failed_ranges[(start, end)] = (time.monotonic(), str(exc))
             raise
+
+    def _check_modified(self, modified) -> None:
+        """A ranged reply's Last-Modified against the one seen at open (weak ETags only), to the
+        second (HTTP dates have no more; the SDK's parse and ours may differ below it)."""
+        if modified is None:  # the ETag check alone, as before: say so once
+            if not self._no_modified_warned:
+                self._no_modified_warned = True
+                what = "no Last-Modified on ranged replies: the weak ETag alone pins them"
+                log.warning("%s: %s", self.location, what)
+            return
+        if _whole_seconds(modified) != _whole_seconds(self._last_modified):
+            raise self._mark_changed(f"it was modified at {modified:%Y-%m-%d %H:%M:%S}")
 
     def _fail_if_failed_lately(self, start: int, end: int) -> None:
         """A read of a range that gave up within FAILED_RANGE_MEMORY seconds fails at once, with the

@@ -264,9 +264,15 @@ def _http_date(text: str | None) -> datetime.datetime | None:
     if not text:
         return None
     try:
-        return email.utils.parsedate_to_datetime(text)
+        when = email.utils.parsedate_to_datetime(text)
     except (TypeError, ValueError):
-        return None
+        try:  # what the SDK would accept (ISO 8601, fractions of a second...)
+            from botocore.utils import parse_timestamp
+
+            when = parse_timestamp(text)
+        except (TypeError, ValueError):
+            return None
+    return when if when.tzinfo is not None else when.replace(tzinfo=datetime.timezone.utc)
 
 
 class _GivenUp(Exception):
