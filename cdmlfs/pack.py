@@ -511,10 +511,11 @@ class _SeekableZstdSink(_TarSink):
         self._frames = 0  # cut so far (written or in flight)
         self._level = level
         self._local = threading.local()
-        threads = max(1, min(threads, INFLIGHT_BUDGET // (2 * frame_size)))
+        most = max(1, INFLIGHT_BUDGET // (2 * frame_size))  # frames in flight within the budget
+        threads = max(1, min(threads, most))
         self._pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
         self._inflight: deque[tuple[Future | bytes, int]] = deque()
-        self._max_inflight = max(1, min(2 * threads, INFLIGHT_BUDGET // (2 * frame_size)))
+        self._max_inflight = min(2 * threads, most)
 
     def _compress(self, data: bytes | bytearray | memoryview) -> bytes:
         cctx = getattr(self._local, "cctx", None)

@@ -508,7 +508,11 @@ class TarFormat:
         self.source = source
         self.name = "tar.zst" if compressed else "tar"
         self.index_source = ""  # "embedded", "cache" or "scan": how the member table was obtained
-        self.store = IndexStore(index_dir, enabled=getattr(source, "persist_index", True))
+        persist = getattr(source, "persist_index", True)
+        self.store = IndexStore(index_dir, enabled=persist)
+        # What keys the saved index: a local file's adds a hash of sampled bytes (LocalFile).
+        index_identity = getattr(source, "index_identity", None)
+        self._key = index_identity() if index_identity is not None and persist else source.identity
         self._mtime = getattr(source, "mtime", 0.0)
         if compressed:
             members, frames = self._open_zstd(progress)
@@ -537,7 +541,7 @@ class TarFormat:
         found = cached()
         if found is not None:
             return found
-        with self.store.building(self.source.identity) as turn:
+        with self.store.building(self._key) as turn:
             found = cached()  # saved by a process we waited for
             if found is not None:
                 return found
@@ -549,7 +553,7 @@ class TarFormat:
         return self._cached_or_built(self._cached_tar, lambda: self._scan_tar(progress))
 
     def _cached_tar(self) -> MemberTable | None:
-        payload = self.store.load(self.source.identity, STORE_KIND_TAR)
+        payload = self.store.load(self._key, STORE_KIND_TAR)
         if payload is not None:
             try:
                 members = MemberTable.decode(payload)
@@ -571,7 +575,7 @@ class TarFormat:
         warn_about_end(members, self.source.identity.location)
         self.index_source = "scan"
         log.debug("scanned %d tar members in %.2fs", len(members), time.monotonic() - started)
-        self.store.save(self.source.identity, STORE_KIND_TAR, members.encode())
+        self.store.save(self._key, STORE_KIND_TAR, members.encode())
         return members
 
     # -- tar.zst -------------------------------------------------------------------------
@@ -649,7 +653,7 @@ class TarFormat:
         return None
 
     def _cached_zstd(self) -> tuple[MemberTable, FrameTable] | None:
-        payload = self.store.load(self.source.identity, STORE_KIND_TAR_ZST)
+        payload = self.store.load(self._key, STORE_KIND_TAR_ZST)
         if payload is None:
             return None
         try:
@@ -668,7 +672,7 @@ class TarFormat:
     def _save_zstd(self, members: MemberTable, frames: FrameTable) -> None:
         frame_bytes = frames.encode()
         payload = struct.pack("<Q", len(frame_bytes)) + frame_bytes + members.encode()
-        self.store.save(self.source.identity, STORE_KIND_TAR_ZST, payload)
+        self.store.save(self._key, STORE_KIND_TAR_ZST, payload)
 
 
 # -- embedded index (written by cdmlfs pack) ----------------------------------------------

@@ -26,7 +26,7 @@ class SourceIdentity(NamedTuple):
     location: str
     size: int
     version: str  # mtime.inode for local files, ETag for objects
-    changed: str = ""  # ctime and a hash of sampled bytes for local files
+    changed: str = ""  # ctime for local files (and a hash of sampled bytes: LocalFile.index_identity)
 
     def key(self) -> str:
         return f"{self.location}\0{self.size}\0{self.version}\0{self.changed}"

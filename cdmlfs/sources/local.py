@@ -41,9 +41,8 @@ class LocalFile:
             os.set_blocking(fd, True)  # pread ignores it on files; keep the descriptor ordinary anyway
             self.size = st.st_size if stat.S_ISREG(st.st_mode) else os.lseek(fd, 0, os.SEEK_END)
             # A block device's node says nothing of the medium behind it (another loop image, another
-            # stick of the same size): its tar index is not persisted, and needs no fingerprint.
+            # stick of the same size): its tar index is not persisted.
             self.persist_index = stat.S_ISREG(st.st_mode)
-            fingerprint = _fingerprint(fd, self.size) if self.persist_index else ""
         except OSError as exc:
             os.close(fd)
             raise UsageError(f"{path}: cannot open: {exc.strerror}") from None
@@ -57,12 +56,22 @@ class LocalFile:
         # the ctime keys the saved index only, since chmod moves it too (see SourceIdentity).
         # Not the device number: NFS clients each number the same export differently, and nodes
         # sharing a home then took each other's saved index for stale, each scanning again.
-        self.identity = _identity(self.path, st, self.size, fingerprint)
+        self.identity = _identity(self.path, st, self.size)
+        self._index_identity: SourceIdentity | None = None
         self.mtime = st.st_mtime
         self.bytes_read = 0  # through read_at (for cdmlfs stats)
 
     def fileno(self) -> int | None:
         return self._fd
+
+    def index_identity(self) -> SourceIdentity:
+        """What keys this file's saved index: ``identity`` with a hash of sampled bytes (see
+        ``_fingerprint``), read once, when a format that saves an index first asks (a ZIP never does)."""
+        if self._index_identity is None:
+            fingerprint = _fingerprint(self._fd, self.size)
+            changed = f"{self.identity.changed}.{fingerprint}" if fingerprint else self.identity.changed
+            self._index_identity = self.identity._replace(changed=changed)
+        return self._index_identity
 
     def probe_identity(self) -> SourceIdentity:
         """What the path holds now (a stat): a different identity means a new open reads other bytes."""
@@ -153,9 +162,8 @@ class _RetiredDescriptors:
 _retired = _RetiredDescriptors()
 
 
-def _identity(path: str, st: os.stat_result, size: int, fingerprint: str = "") -> SourceIdentity:
-    changed = f"{st.st_ctime_ns}.{fingerprint}" if fingerprint else str(st.st_ctime_ns)
-    return SourceIdentity(path, size, f"{st.st_mtime_ns}.{st.st_ino}", changed)
+def _identity(path: str, st: os.stat_result, size: int) -> SourceIdentity:
+    return SourceIdentity(path, size, f"{st.st_mtime_ns}.{st.st_ino}", str(st.st_ctime_ns))
 
 
 def _fingerprint(fd: int, size: int) -> str:
@@ -165,7 +173,7 @@ def _fingerprint(fd: int, size: int) -> str:
     mtime (sshfs, and FUSE mounts such as cdmlfs's own: a tar inside a mounted zip) and inode
     numbers are handed out in order, another archive at the same path matched all four, and its
     members were read through the old index (wrong bytes, no error). Some 200 KiB read at open
-    tell such archives apart; only the saved index's key uses it.
+    tell such archives apart.
     """
     h = hashlib.blake2b(digest_size=12)
     spots = [(0, FINGERPRINT_END)]  # in file order: a reader decoding as it goes passes once
