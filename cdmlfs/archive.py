@@ -448,14 +448,18 @@ class Archive:
         dest_dir: str,
         chunk: int = 4 << 20,
         on_error: Callable[[str, Exception], None] | None = None,
+        on_extracted: Callable[[str], None] | None = None,
     ) -> str:
         """Copy one entry (file, symlink or a whole directory) under ``dest_dir``; returns the output path.
 
-        ``on_error(member_path, exc)``: in a directory, an entry that cannot be extracted (a
+        Files already there are replaced, as ``tar -x`` does (never written through a link in the
+        way). ``on_error(member_path, exc)``: in a directory, an entry that cannot be extracted (a
         corrupt member, a name taken by a directory at the destination) is reported to it and the
         rest is extracted, as ``tar -x`` goes on; without it the first failure raises. A full disk
         and a source that fails (the archive changed, the network is gone) always raise.
+        ``on_extracted(output_path)`` is told of every entry written, as it is (``extract -v``).
         """
+        done = on_extracted or (lambda _out: None)
         eid = self._resolve(path, follow=False)
         index = self.index
         root = os.path.realpath(dest_dir)
@@ -463,6 +467,7 @@ class Archive:
         if index.kind[eid] == DIR:
             check_inside(root, os.path.join(out, "."))
             os.makedirs(out, exist_ok=True)
+            done(out)
             folders = [eid]
             written: dict[int, str] = {}  # data entry -> the file written for it, for hard links
             for c in index.walk(eid):
@@ -473,6 +478,7 @@ class Archive:
                         raise
                     on_error(index.paths[c], exc)
                     continue
+                done(os.path.join(dest_dir, index.paths[c]))
                 if index.kind[c] == DIR and c != eid:
                     folders.append(c)
             # Directory modes and mtimes last, deepest first, as tar -x does: writing into a folder
@@ -485,6 +491,7 @@ class Archive:
                 os.utime(target, (index.mtime[d], index.mtime[d]))
             return out
         self._extract_one(eid, out, chunk, root)
+        done(out)
         return out
 
     def _extract_one(

@@ -383,12 +383,22 @@ def cmd_extract(args: argparse.Namespace) -> int:
         print(f"cdmlfs: {_about(member, exc)}", file=sys.stderr)
 
     listing = args.verbose
+
+    def list_entry(out: str) -> None:  # -v: every entry as it is written, as tar -xv
+        nonlocal listing
+        if listing:
+            try:
+                print(out, flush=True)
+            except BrokenPipeError:  # `| head`: stop listing, not extracting
+                _stdout_to_devnull()
+                listing = False
+
     _exit_on_termination()  # the partial file is removed on the way out
     with archive:
         os.makedirs(args.directory, exist_ok=True)
         for path in args.paths:
             try:
-                out = archive.extract(path, args.directory, on_error=report)
+                archive.extract(path, args.directory, on_error=report, on_extracted=list_entry)
             except _ONE_PATH_ERRORS as exc:  # this path only, as tar -x
                 report(path, exc)
                 continue
@@ -398,12 +408,6 @@ def cmd_extract(args: argparse.Namespace) -> int:
                     continue
                 _name_failed_write(exc, args.directory)
                 raise
-            if listing:
-                try:
-                    print(out, flush=True)
-                except BrokenPipeError:  # `| head`: stop listing, not extracting
-                    _stdout_to_devnull()
-                    listing = False
     if failed:
         entries = "entry" if len(failed) == 1 else "entries"
         print(f"cdmlfs: {len(failed)} {entries} not extracted", file=sys.stderr)
@@ -775,7 +779,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_cat)
 
     p = sub.add_parser(
-        "extract", parents=[common, indexed], help="copy members (or folders) out of the archive"
+        "extract",
+        parents=[common, indexed],
+        help="copy members (or folders) out of the archive; files already there are replaced, as tar -x does",
     )
     p.add_argument("source", help="archive path or URI")
     p.add_argument("paths", nargs="+", help="members or directories to extract")

@@ -843,6 +843,26 @@ def test_cli_extract_listing_into_a_closed_pipe_still_extracts_everything(tmp_pa
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*.txt")) == names
 
 
+def test_cli_extract_verbose_lists_every_entry_written(tmp_path: Path) -> None:
+    """`extract -v` printed only the paths named on the command line, not the folder's entries."""
+    z = python_zip(tmp_path / "d.zip", {"d/a.txt": b"a", "d/sub/b.txt": b"b", "top.txt": b"t"})
+    out = tmp_path / "out"
+    res = run_cli("extract", "-v", str(z), "d", "top.txt", "-C", str(out), check=True)
+    listed = {os.path.relpath(line, out) for line in res.stdout.decode().splitlines()}
+    assert listed == {"d", "d/a.txt", "d/sub", "d/sub/b.txt", "top.txt"}, res.stdout
+
+
+def test_a_directory_given_as_the_archive_says_how_to_make_one(tmp_path: Path) -> None:
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "mnt").mkdir()
+    for command in ("ls", "mount"):
+        args = [command, str(tmp_path / "photos")] + ([str(tmp_path / "mnt")] if command == "mount" else [])
+        res = run_cli(*args)
+        err = res.stderr.decode()
+        assert res.returncode == 2 and err.count("\n") == 1, err
+        assert "is a directory, not an archive" in err and "cdmlfs pack" in err, err
+
+
 def test_cli_sigterm_during_extract_leaves_no_partial_file(tmp_path: Path) -> None:
     """pack removed its partial output on SIGTERM; extract left hundreds of MiB of .partial behind."""
     import signal

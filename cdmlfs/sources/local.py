@@ -30,12 +30,15 @@ class LocalFile:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             raise ArchiveNotFoundError(f"{path}: no such file") from None
-        except IsADirectoryError:
-            raise UsageError(f"{path}: is a directory, not an archive") from None
         except OSError as exc:
             raise UsageError(f"{path}: cannot open: {exc.strerror}") from None
         try:
             st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):  # open(O_RDONLY) of a directory succeeds: EISDIR never comes
+                raise UsageError(
+                    f"{path}: is a directory, not an archive"
+                    f" (`cdmlfs pack {path} OUT.tar.zst` makes one of it)"
+                )
             if not stat.S_ISREG(st.st_mode) and not stat.S_ISBLK(st.st_mode):
                 raise UsageError(f"{path}: not a regular file")
             os.set_blocking(fd, True)  # pread ignores it on files; keep the descriptor ordinary anyway
