@@ -13,6 +13,12 @@ Why a registry instead of a handle stored on each dataset:
   path, and must find the archive from it.
 * Datasets over the same archive (train and val folders of one ZIP) share
   one index and one bounded cache per process instead of one each.
+
+At most :data:`MAX_OPEN` handles stay in the registry, least recently used let go first: a
+process reading samples from thousands of shard archives (a manifest of ``shard.zip::path``
+samples) held a descriptor and a cache for every shard it had touched, and ran out of file
+descriptors. A handle let go closes once nothing reads through it (a dataset keeps the one it
+listed for as long as it lives); a later sample of that archive opens it again.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import contextvars
 import logging
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -30,12 +37,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MAX_OPEN = 64
+"""Handles kept per process (each holds a descriptor, or connections, and up to its cache)."""
+
 DEFAULT_CACHE_SIZE = 64 << 20
 """Cache per process and archive. Small on purpose: a DataLoader runs one handle per
 worker, and samples of a shuffled epoch are read once, so a big cache buys nothing."""
 
 _lock = threading.Lock()
-_open: dict[str, Archive] = {}
+_open: OrderedDict[str, Archive] = OrderedDict()  # least recently used first
 _options: dict[str, dict[str, Any]] = {}  # open options datasets gave for a location (see remember_options)
 # The handle a dataset's ``__getitem__`` reads through (see reading_from): loaders get a path only.
 _reading: contextvars.ContextVar[tuple[str, Archive] | None] = contextvars.ContextVar(
@@ -77,6 +87,8 @@ def get_archive(location: str, *, revalidate: bool = False, **open_kwargs: Any) 
     """
     archive = _open.get(location)
     if archive is not None and not (revalidate and _changed(archive)):
+        with contextlib.suppress(KeyError):  # let go by another thread meanwhile: still fine to use
+            _open.move_to_end(location)
         return archive
     if not open_kwargs:
         open_kwargs = dict(_options.get(location, {}))
@@ -90,6 +102,10 @@ def get_archive(location: str, *, revalidate: bool = False, **open_kwargs: Any) 
             if current is not None:  # a file opened on the old version may still be reading it
                 current.close_when_unused()  # kept until close_all, each held its fd and cache
             _open[location] = current = fresh
+            _open.move_to_end(location)
+            while len(_open) > MAX_OPEN:
+                _, oldest = _open.popitem(last=False)
+                oldest.close_when_unused()
         return current
 
 
@@ -107,6 +123,12 @@ def reading_from(location: str, archive: Archive) -> Iterator[None]:
         yield
     finally:
         _reading.reset(token)
+
+
+def reading_location() -> str | None:
+    """The location whose dataset is reading in this context (see :func:`reading_from`), if any."""
+    reading = _reading.get()
+    return None if reading is None else reading[0]
 
 
 def handle_for(location: str) -> Archive:
@@ -136,7 +158,7 @@ def close_all() -> None:
     """Close this process's handles (tests, or a long-lived process that is done with its data)."""
     global _open
     with _lock:
-        handles, _open = list(_open.values()), {}
+        handles, _open = list(_open.values()), OrderedDict()
         _options.clear()
     for archive in handles:
         archive.close()

@@ -6,6 +6,7 @@ Loaders take a path, as torchvision loaders do, so a custom loader written for
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import sys
@@ -74,6 +75,17 @@ def _torchvision_decodes(head: bytes) -> bool:
     return head.startswith(b"\xff\xd8\xff") or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")
 
 
+@functools.cache
+def _torchvision_decoder() -> tuple[Any, Any]:
+    """torchvision's ``decode_image`` and its RGB mode, or ``(None, None)`` where torchvision no
+    longer decodes images (deprecated in 0.29, to move to torchcodec): PIL decodes them all then."""
+    try:
+        from torchvision.io import ImageReadMode, decode_image
+    except ImportError:
+        return None, None
+    return decode_image, ImageReadMode.RGB
+
+
 def tensor_loader(path: str | os.PathLike) -> Any:
     """Decode an image into a uint8 ``C,H,W`` RGB tensor, for ``torchvision.transforms.v2`` pipelines.
 
@@ -89,11 +101,10 @@ def tensor_loader(path: str | os.PathLike) -> Any:
     import torch
 
     data = read_sample(path)
-    if _torchvision_decodes(data[: PNG_BIT_DEPTH_AT + 1]):
-        from torchvision.io import ImageReadMode, decode_image
-
+    decode_image, rgb_mode = _torchvision_decoder()
+    if decode_image is not None and _torchvision_decodes(data[: PNG_BIT_DEPTH_AT + 1]):
         try:
-            return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+            return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=rgb_mode)
         except RuntimeError as exc:
             try:  # what the default loader makes of it (an animated WebP: its first frame)
                 rgb = _pil_rgb(data, path)

@@ -26,6 +26,7 @@ lists and dicts; other leaves pass through untouched.
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 import warnings
@@ -55,10 +56,15 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         return [map_tensors(b, fn) for b in batch]
     if isinstance(batch, Mapping):
         mapped = {k: map_tensors(v, fn) for k, v in batch.items()}
-        try:
-            return type(batch)(mapped)
-        except TypeError:
-            return mapped
+        try:  # as DataLoader's collate and pin_memory do: a defaultdict stays one, factory and all
+            clone = copy.copy(batch)
+            clone.update(mapped)  # type: ignore[attr-defined]
+            return clone
+        except (AttributeError, TypeError):  # a read-only Mapping: built from the items, else a dict
+            try:
+                return type(batch)(mapped)
+            except TypeError:
+                return mapped
     return batch
 
 
@@ -182,13 +188,22 @@ class GPUPrefetchLoader:
         return self._stats[device]
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 ``N,C,H,W`` -> ``(x / 255 - mean) / std`` in ``dtype``, on the images' device."""
+        """uint8 ``N,C,H,W`` (or one ``C,H,W`` image, for an ``is_image`` that accepts those)
+        -> ``(x / 255 - mean) / std`` in ``dtype``, on the images' device."""
+        if images.dim() not in (3, 4):
+            raise ValueError(
+                f"images to normalise must be N,C,H,W or C,H,W; is_image accepted a tensor of shape "
+                f"{tuple(images.shape)}"
+            )
         mean, std, scale = self._stats_on(images.device if images.device.type != "cpu" else None)
-        channels = images.shape[1]
+        channels = images.shape[-3]
         for name, stat in (("mean", mean), ("std", std)):
             if stat is not None and stat.numel() not in (1, channels):  # one value: all channels
                 raise ValueError(f"{name} has {stat.numel()} values but the images have {channels} channels")
-        fmt = torch.channels_last if self.channels_last else torch.preserve_format
+        if images.dim() == 3:  # stats are 1,C,1,1: as C,1,1 they broadcast over one image's channels
+            mean = None if mean is None else mean.reshape(-1, 1, 1)
+            std = None if std is None else std.reshape(-1, 1, 1)
+        fmt = torch.channels_last if self.channels_last and images.dim() == 4 else torch.preserve_format
         out = images.to(torch.float32, memory_format=fmt, copy=True)  # never the caller's tensor
         out.div_(scale)
         if mean is not None:
@@ -207,13 +222,22 @@ class GPUPrefetchLoader:
             return
         self._images_seen = True  # the first batch tells: its layout is every batch's
         leaves = list(_tensors_in(batch))
-        if not any(self.is_image(t) for t in leaves) and any(
-            t.is_floating_point() and t.dim() == 4 for t in leaves
-        ):
+        if any(self.is_image(t) for t in leaves):
+            return
+        unconverted = {t.dtype for t in leaves if t.dim() == 4 and t.dtype not in (torch.uint8, torch.bool)}
+        if any(dtype.is_floating_point for dtype in unconverted):
             warnings.warn(
                 "GPUPrefetchLoader: mean/std were given, but the batches hold float images, which are "
                 "passed through unchanged (only uint8 N,C,H,W images are normalised): end the transform "
                 "with PILToTensor()/v2.ToImage() instead of ToTensor(), or normalise in the transform",
+                stacklevel=3,
+            )
+        elif unconverted:  # 16-bit images, say: scaled by 255 they would be wrong anyway
+            kinds = ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in unconverted))
+            warnings.warn(
+                f"GPUPrefetchLoader: mean/std were given, but the batches hold {kinds} N,C,H,W tensors, "
+                "which are passed through unchanged (only uint8 images are normalised): convert them "
+                "to uint8 in the transform, or normalise there",
                 stacklevel=3,
             )
 

@@ -75,14 +75,20 @@ def is_uri(text: str) -> bool:
 def split_sample_path(path: str) -> tuple[str, str] | None:
     """``"LOCATION::INNER"`` -> ``(LOCATION, INNER)``; None for a plain local path.
 
-    The split is at the first ``::`` whose left side is an archive already open in
-    this process (datasets open theirs before calling a loader), else at the first
-    ``::`` whose left side is a local file (an archive named ``x::y.zip`` too) or
-    a URI. A path that exists locally, or whose ``::`` follow no file, is a plain
+    While a dataset reads a sample (:func:`handles.reading_from`), a path under its location
+    is its member, whatever the local disk holds. Otherwise the split is at the first ``::``
+    whose left side is an archive already open in this process (datasets open theirs before
+    calling a loader), else at the first ``::`` whose left side is a local file (an archive
+    named ``x::y.zip`` too) or a URI. A path that exists locally, or whose ``::`` follow no file, is a plain
     path: a deleted sample in a folder named ``a::b`` is FileNotFoundError, as on disk.
     """
     if SEP not in path:
         return None
+    # A dataset's own samples are its archive's members: a local file spelled like one (made after
+    # the listing) was read in the member's place.
+    reading = handles.reading_location()
+    if reading is not None and path.startswith(reading + SEP):
+        return reading, path[len(reading) + len(SEP) :].strip("/")
     # Checked first: with "x.zip" open here, a folder "x.zip::copy" beside it was read from x.zip.
     if not is_uri(path) and os.path.exists(path):  # a URI is never looked up on the local disk
         return None

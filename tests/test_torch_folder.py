@@ -8,6 +8,7 @@ import os
 import pickle
 import shutil
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -1141,3 +1142,93 @@ def test_a_subclass_picking_its_classes_keeps_the_datasets_open_options(tmp_path
         assert isinstance(ds._tree, ArchiveTree) and ds[1][1] == 1
     finally:
         handles.close_all()
+
+
+def _shard(path: Path, payload: bytes) -> Path:
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("c/m.bin", payload)
+    return path
+
+
+def test_handles_of_many_archives_stay_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading samples from one shard archive after another kept every shard open (a descriptor and
+    a cache each) until the process ran out of descriptors."""
+    handles.close_all()
+    monkeypatch.setattr(handles, "MAX_OPEN", 4)
+    shards = [_shard(tmp_path / f"s{i:02d}.zip", bytes([i]) * 100) for i in range(12)]
+    listed = ArchiveDatasetFolder(f"{shards[0]}::", loader=read_sample, extensions=(".bin",))
+
+    def shards_open() -> int:  # descriptors on shard files (closed ones point at /dev/null)
+        targets = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # the listing's own descriptor, gone by now
+                targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return sum(t.startswith(str(tmp_path)) for t in targets)
+
+    for _ in range(2):
+        for i, shard in enumerate(shards):
+            assert read_sample(f"{shard}::c/m.bin") == bytes([i]) * 100
+            assert len(handles.open_locations()) <= 4
+            assert shards_open() <= 5  # the registry's 4 and the dataset's own
+    assert listed[0][0] == bytes([0]) * 100  # a dataset keeps its own handle, let go or not
+    handles.close_all()
+
+
+def test_running_out_of_descriptors_is_emfile_not_a_bad_sample(tmp_path: Path) -> None:
+    """EMFILE at an archive's open became EINVAL (a usage error): a loop skipping bad samples on
+    OSError could not tell it from a corrupt one."""
+    shard = _shard(tmp_path / "s.zip", b"x")
+    warm = _shard(tmp_path / "warm.zip", b"y")
+    script = f"""
+import errno, os, resource
+from cdmlfs_torch import read_sample
+read_sample({str(warm)!r} + "::c/m.bin")  # every module imported while descriptors are left
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+try:
+    read_sample({str(shard)!r} + "::c/m.bin")
+except OSError as exc:
+    print(errno.errorcode[exc.errno])
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.stdout.strip() == "EMFILE", (res.stdout, res.stderr)
+
+
+def test_a_local_file_spelled_like_a_sample_does_not_replace_the_member(tmp_path: Path) -> None:
+    """A file made on disk at ``<archive>::<member>`` after the listing was read instead of the member."""
+    src = tmp_path / "src"
+    (src / "cat").mkdir(parents=True)
+    Image.new("RGB", (4, 4), (255, 0, 0)).save(src / "cat" / "1.png")
+    archive = tmp_path / "train.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.write(src / "cat" / "1.png", "cat/1.png")
+    ds = ArchiveImageFolder(f"{archive}::")
+    shadow = tmp_path / "train.zip::cat"
+    shadow.mkdir()
+    Image.new("RGB", (4, 4), (0, 0, 255)).save(shadow / "1.png")
+    assert ds[0][0].getpixel((0, 0)) == (255, 0, 0)
+    handles.close_all()
+
+
+def test_tensor_loader_decodes_with_pil_where_torchvision_no_longer_does(
+    trees: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchvision's image decoding is deprecated; without it every sample failed with ImportError."""
+    from cdmlfs_torch import loaders
+
+    ds = ArchiveImageFolder(f"{trees['zip']}::train")
+    path = next(p for p, _ in ds.samples if p.endswith(".png"))  # lossless: the same pixels either way
+    expected = tensor_loader(path)
+    loaders._torchvision_decoder.cache_clear()
+    monkeypatch.setitem(sys.modules, "torchvision.io", None)  # import torchvision.io: ImportError
+    try:
+        got = tensor_loader(path)
+    finally:
+        loaders._torchvision_decoder.cache_clear()
+    assert got.dtype == torch.uint8 and torch.equal(got, expected)
+    handles.close_all()

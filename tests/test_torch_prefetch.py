@@ -407,3 +407,35 @@ def test_float_images_with_mean_and_std_get_one_warning() -> None:
         warnings.simplefilter("error")
         list(GPUPrefetchLoader(floats, device="cpu"))
         list(GPUPrefetchLoader(image_loader(), device="cpu", mean=MEAN, std=STD))
+
+
+def test_mapping_batches_keep_their_type_factory_and_all() -> None:
+    """A defaultdict batch came back a plain dict (DataLoader's own collate keeps the type)."""
+    from collections import defaultdict
+
+    batch = defaultdict(list, {"x": torch.zeros(2, 3, 4, 4, dtype=torch.uint8), "y": torch.tensor([1, 2])})
+    out = next(iter(GPUPrefetchLoader([batch], device="cpu", mean=0.5, std=0.5)))
+    assert type(out) is defaultdict and out.default_factory is list
+    assert out["x"].dtype == torch.float32 and torch.equal(out["y"], batch["y"])
+
+
+def test_single_images_chosen_by_is_image_are_normalised_per_channel() -> None:
+    """A C,H,W image (batch_size=None) broadcast the 1,C,1,1 stats over H, or failed to."""
+    image = torch.randint(0, 256, (3, 3, 5), dtype=torch.uint8)
+    mean, std = [0.1, 0.5, 0.9], [0.2, 0.3, 0.4]
+    loader = GPUPrefetchLoader(
+        [image], device="cpu", mean=mean, std=std, is_image=lambda t: t.dtype == torch.uint8
+    )
+    out = next(iter(loader))
+    expected = (image.float() / 255 - torch.tensor(mean).view(3, 1, 1)) / torch.tensor(std).view(3, 1, 1)
+    assert out.shape == (3, 3, 5) and torch.allclose(out, expected)
+    odd = GPUPrefetchLoader([image[0]], device="cpu", mean=0.5, is_image=lambda t: t.dtype == torch.uint8)
+    with pytest.raises(ValueError, match="N,C,H,W or C,H,W"):
+        next(iter(odd))
+
+
+def test_16_bit_images_with_mean_and_std_get_one_warning() -> None:
+    batches = [torch.full((2, 3, 4, 4), 1000, dtype=torch.int16)] * 3
+    with pytest.warns(UserWarning, match="int16 N,C,H,W tensors") as caught:
+        out = list(GPUPrefetchLoader(batches, device="cpu", mean=0.5, std=0.5))
+    assert len(caught) == 1 and out[0].dtype == torch.int16

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat
@@ -14,6 +15,9 @@ from cdmlfs.sources.base import SourceIdentity
 
 FINGERPRINT_END = 64 << 10  # bytes hashed at each end of the file (see _fingerprint)
 FINGERPRINT_SAMPLE = 4 << 10  # and at 16 places between
+# Out of descriptors or memory: the process's state, not a bad path (a loader skipping bad samples
+# on EINVAL would have dropped every later one).
+_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 RETIRED_MAX = 64  # descriptor numbers of closed files kept pointing at /dev/null (see LocalFile.close)
 
 
@@ -31,6 +35,10 @@ class LocalFile:
         except FileNotFoundError:
             raise ArchiveNotFoundError(f"{path}: no such file") from None
         except OSError as exc:
+            if exc.errno in _RESOURCE_ERRNOS:  # not the user's mistake: keep the errno (EMFILE, ...)
+                error = SourceError(f"{path}: cannot open: {exc.strerror}")
+                error.errno = exc.errno
+                raise error from None
             raise UsageError(f"{path}: cannot open: {exc.strerror}") from None
         try:
             st = os.fstat(fd)
