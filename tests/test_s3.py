@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import os
 import pickle
 import random
@@ -727,6 +728,45 @@ def test_tar_zst_on_s3_remount_uses_the_persisted_index(
     localbucket_s3.put("tars", "tree.tar.zst", _small_zip(tmp_path))
     with Archive("s3://tars/tree.tar.zst", **kw) as third:
         assert third.format.name == "zip"
+
+
+def _plain_tar(path: Path, members: list[tuple[str, bytes]], mtime: int) -> Path:
+    import tarfile
+
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), mtime
+            tar.addfile(info, io.BytesIO(data))
+    os.utime(path, (mtime, mtime))  # Last-Modified, for a file-backed endpoint
+    return path
+
+
+def test_a_persisted_index_is_not_taken_for_the_same_key_at_another_endpoint(
+    localbucket_s3, proxy_to, tmp_path: Path
+) -> None:
+    """Two endpoints (MinIO beside AWS, say) with the same bucket and key, same size, and a weak
+    ETag that says nothing of the bytes: the second was read through the first's persisted index,
+    and gave the bytes of the wrong member."""
+    a = _plain_tar(tmp_path / "a.tar", [("x", b"x" * 1000), ("y", b"y" * 3000)], 1_700_000_000)
+    b = _plain_tar(tmp_path / "b.tar", [("y", b"Y" * 3000), ("x", b"X" * 1000)], 1_700_000_000)
+    assert a.stat().st_size == b.stat().st_size
+    other = s3util.start_localbucket(tmp_path / "other-endpoint")
+    try:
+        localbucket_s3.put("tars", "same.tar", a)
+        other.put("tars", "same.tar", b)
+        proxies = [proxy_to(localbucket_s3), proxy_to(other)]
+        for proxy in proxies:
+            proxy.quirks.add("metadata_etag")
+        kw = {"index_dir": str(tmp_path / "index"), "retry": FAST_RETRY}
+        with Archive("s3://tars/same.tar", endpoint_url=proxies[0].url, **kw) as first:
+            assert first.read("x") == b"x" * 1000
+        with Archive("s3://tars/same.tar", endpoint_url=proxies[1].url, **kw) as second:
+            assert second.source.identity.version == first.source.identity.version  # one key but the endpoint
+            assert second.format.index_source == "scan"
+            assert second.read("x") == b"X" * 1000 and second.read("y") == b"Y" * 3000
+    finally:
+        other.stop()
 
 
 def _packed_tree_on_s3(localbucket_s3, tmp_path: Path) -> tuple[Path, dict]:

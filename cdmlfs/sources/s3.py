@@ -240,7 +240,10 @@ class S3Object:
                 self.location,
                 self.etag,
             )
-        self.identity = SourceIdentity(self.location, self.size, version)
+        # Another endpoint (MinIO beside AWS, two test servers) may hold other bytes under the same
+        # bucket, key and ETag (a weak or constant ETag): its persisted index must not be taken.
+        self._endpoint_key = f"endpoint={endpoint_url}" if endpoint_url else ""
+        self.identity = SourceIdentity(self.location, self.size, version, self._endpoint_key)
         self._cache = cache if cache is not None else ExtentCache(PRIVATE_CACHE)
         workers = max(1, max_connections // 2)
         config = BlockConfig(
@@ -299,7 +302,7 @@ class S3Object:
 
         resp = self._with_retries(attempt, "HEAD")
         version = _version(resp.get("ETag") or "", resp.get("LastModified"))
-        return SourceIdentity(self.location, int(resp.get("ContentLength") or 0), version)
+        return SourceIdentity(self.location, int(resp.get("ContentLength") or 0), version, self._endpoint_key)
 
     @property
     def bytes_read(self) -> int:
