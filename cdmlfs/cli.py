@@ -781,7 +781,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "extract",
         parents=[common, indexed],
-        help="copy members (or folders) out of the archive; files already there are replaced, as tar -x does",
+        help="copy members (or folders) out of the archive; files already there are replaced, as tar -x "
+        "does; -v lists each entry written",
     )
     p.add_argument("source", help="archive path or URI")
     p.add_argument("paths", nargs="+", help="members or directories to extract")

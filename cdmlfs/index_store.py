@@ -133,6 +133,8 @@ class IndexStore:
         # Disabled for sources whose identity says nothing of their bytes (a block device: another
         # medium behind the same node read through the old index): nothing is loaded nor saved.
         self.enabled = enabled
+        # Why an index file was not used, said once: an open checks again after its build lock.
+        self._told: set[tuple[str, str]] = set()
         self.directory = os.fspath(directory) if directory else default_index_dir()
         if directory and os.path.exists(self.directory) and not os.path.isdir(self.directory):
             # Asked for by name (--index-dir): a mistake worth one clear line, not a warning per use.
@@ -241,7 +243,9 @@ class IndexStore:
         try:
             payload = self._decode(raw, identity, kind)
         except ValueError as exc:
-            log.info("ignoring index file %s: %s; rebuilding the index", path, exc)
+            if (path, str(exc)) not in self._told:
+                self._told.add((path, str(exc)))
+                log.info("ignoring index file %s: %s; rebuilding the index", path, exc)
             return None
         if time.time() - st.st_mtime > TOUCH_AFTER_SECONDS:  # used: kept from removal a while longer
             with contextlib.suppress(OSError):

@@ -173,7 +173,9 @@ def test_zstd_files_that_hold_no_tar_say_so(tmp_path: Path) -> None:
             Archive(str(path), index_dir=str(tmp_path / "idx"))
 
 
-def test_stale_and_corrupt_index_files_are_rebuilt(tmp_path: Path, many_files: Path) -> None:
+def test_stale_and_corrupt_index_files_are_rebuilt(
+    tmp_path: Path, many_files: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     archive = _single_frame(tmp_path, many_files)
     idx = tmp_path / "idx"
     with Archive(str(archive), index_dir=str(idx)) as ar:
@@ -195,8 +197,10 @@ def test_stale_and_corrupt_index_files_are_rebuilt(tmp_path: Path, many_files: P
     # Stale: the archive changed (same path, new mtime) -> rescanned, file replaced in place.
     st = archive.stat()
     os.utime(archive, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-    with Archive(str(archive), index_dir=str(idx)) as ar:
+    caplog.clear()
+    with caplog.at_level("INFO", logger="cdmlfs"), Archive(str(archive), index_dir=str(idx)) as ar:
         assert ar.format.index_source == "scan"
+    assert caplog.text.count("ignoring index file") == 1, caplog.text  # once, not again after the lock
     assert [p.name for p in idx.glob("*.idx")] == [index_file.name]
     with Archive(str(archive), index_dir=str(idx)) as ar:
         assert ar.format.index_source == "cache"

@@ -223,7 +223,8 @@ class TarRecords:
                 nxt = read(pos + th.BLOCK, th.BLOCK)
                 if nxt and nxt != th.ZERO_BLOCK[: len(nxt)]:
                     # GNU tar stops here too ("A lone zero block"); only tar -i would read on. scan_tar
-                    # warns; pack refuses (the members after it would be lost).
+                    # warns; pack of a file keeps what tar -x gives, with the warning; pack of a stream
+                    # refuses (it cannot say so before its output is written: see tar_stream).
                     self.lone_zero = pos
                 self.marked = True
                 break  # end of archive: two zero blocks (or one and the end of the stream)
