@@ -808,7 +808,6 @@ def test_a_first_read_inside_a_packed_frame_on_s3_is_one_request(
     in the middle of a frame cost several GETs (28 a read on a 240 MB archive, 4000 random reads)."""
     from cdmlfs.formats import zstdframes
 
-    monkeypatch.setattr(zstdframes, "FINISH_MAX_RATIO", 0)  # frames kept partial: no GETs behind our back
     src, kw = _packed_tree_on_s3(localbucket_s3, tmp_path)
     with Archive("s3://tars/p.tar.zst", **kw) as ar:
         stream = ar.format.stream

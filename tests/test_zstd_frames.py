@@ -67,6 +67,14 @@ def decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return request.param
 
 
+@pytest.fixture
+def finishing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every frame finished in the background from its first read (CDMLFS_FINISH_FRAMES=1), in this
+    process and in daemons started from it; by default only frames that come back are."""
+    monkeypatch.setattr(zstdframes, "FINISH_ENV", "1")
+    monkeypatch.setenv("CDMLFS_FINISH_FRAMES", "1")
+
+
 def _frame_bytes(archive: Path, ar: Archive, i: int) -> bytes:
     fr = ar.format.stream.frames
     with open(archive, "rb") as f:
@@ -150,7 +158,7 @@ def test_packed_members_carry_crcs_and_old_tables_still_decode(
 
 # -- early members ------------------------------------------------------------------------------
 def test_member_is_served_before_its_frame_is_finished_then_the_frame_is_cached(
-    packed: Path, src: Path, tmp_path: Path, decoder: str
+    packed: Path, src: Path, tmp_path: Path, decoder: str, finishing: None
 ) -> None:
     with Archive(str(packed), index_dir=str(tmp_path / "idx")) as ar:
         stream = ar.format.stream
@@ -178,8 +186,6 @@ def test_archive_much_larger_than_the_cache_keeps_frames_partial(
     decoding of a shuffled epoch for frames the cache seldom kept until their next reader. Frames
     stay partial instead: decoded only as far as readers ask, a few of them, least recently read
     let go first, and cached once their readers reach the end (archive order stays one pass)."""
-    # The packed archive is ~6 MiB: "many times the cache" is scaled down to it.
-    monkeypatch.setattr(zstdframes, "FINISH_MAX_RATIO", 0.25)
     with Archive(str(packed), cache_size=8 * MiB, index_dir=str(tmp_path / "idx")) as ar:
         stream = ar.format.stream
         worker = stream._frames
@@ -219,9 +225,8 @@ def test_archive_much_larger_than_the_cache_keeps_frames_partial(
 
 @contextlib.contextmanager
 def _frames_kept_partial(packed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """The packed archive (~6 MiB) opened as if many times the cache, the ratio scaled down to it:
-    (archive, its frame worker keeping frames partial, the frames large enough for that worker)."""
-    monkeypatch.setattr(zstdframes, "FINISH_MAX_RATIO", 0.25)
+    """The packed archive (~6 MiB) opened with a cache that holds it: (archive, its frame worker
+    keeping frames partial, the frames large enough for that worker)."""
     with Archive(str(packed), cache_size=16 * MiB, index_dir=str(tmp_path / "idx")) as ar:
         worker = ar.format.stream._frames
         assert worker is not None and not worker.finish
@@ -346,7 +351,6 @@ def test_a_read_error_inside_a_partial_frame_leaves_it_to_a_fresh_decode(
     """A failed read (EIO, an S3 timeout) while a reader decoded further into a frame kept partial
     left the frame in flight with a decoder that refuses to go on: every later read of its
     members failed, however healthy the archive."""
-    monkeypatch.setattr(zstdframes, "FINISH_MAX_RATIO", 0.25)
     with Archive(str(packed), cache_size=8 * MiB, index_dir=str(tmp_path / "idx")) as ar:
         worker = ar.format.stream._frames
         assert worker is not None and not worker.finish
@@ -427,7 +431,9 @@ def test_small_cache_and_disabled_worker_decode_whole_frames(packed: Path, src: 
             assert ar.read(path) == (src / path).read_bytes()
 
 
-def test_spares_stay_within_the_cache_and_are_used(packed: Path, src: Path, tmp_path: Path) -> None:
+def test_spares_stay_within_the_cache_and_are_used(
+    packed: Path, src: Path, tmp_path: Path, finishing: None
+) -> None:
     with Archive(str(packed), cache_size=64 * MiB, index_dir=str(tmp_path / "idx")) as ar:
         worker = ar.format.stream._frames
         assert worker is not None and worker.max_spares >= 1
@@ -568,7 +574,7 @@ def test_close_stops_the_worker_before_the_file_closes(
 
 
 def test_a_close_landing_inside_a_finishing_step_logs_no_error(
-    packed: Path, src: Path, tmp_path: Path, decoder: str, caplog: pytest.LogCaptureFixture
+    packed: Path, src: Path, tmp_path: Path, decoder: str, caplog: pytest.LogCaptureFixture, finishing: None
 ) -> None:
     """close() between the background thread's check and its step: the step refused to read on
     (the archive was closed) and the thread logged "finishing ... failed" with a traceback."""
@@ -723,11 +729,11 @@ def test_raw_block_corruption_gives_eio_never_wrong_bytes(
 
 
 @pytest.mark.fuse
-@pytest.mark.parametrize("finish", ["auto", "0"], ids=["finished", "kept-partial"])
+@pytest.mark.parametrize("finish", ["1", "auto"], ids=["finished", "kept-partial"])
 def test_mount_serves_early_members_and_stats_show_it(
     packed: Path, src: Path, tmp_path: Path, mnt: Path, finish: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("CDMLFS_FINISH_FRAMES", finish)  # auto: the archive is far smaller than the cache
+    monkeypatch.setenv("CDMLFS_FINISH_FRAMES", finish)  # auto: finished once a frame comes back
     with mounted(packed, mnt, "--index-dir", str(tmp_path / "idx")):
         paths = _source_paths(src)
         random.Random(2).shuffle(paths)
@@ -736,7 +742,7 @@ def test_mount_serves_early_members_and_stats_show_it(
         decoder = stats["decoder"]
         assert decoder["early_frames"] >= 1  # first reads of frames answered before the frame was done
         assert decoder["spares_used"] >= 1  # the daemon warmed spare buffers up after mounting
-        assert decoder["frames_finished_in_background"] == (finish == "auto")
+        assert decoder["frames_finished_in_background"] == (finish == "1")
         text = run_cli("stats", str(mnt), check=True).stdout.decode()
         assert any(line.startswith("decoder ") and "early_frames" in line for line in text.splitlines())
 
@@ -979,7 +985,7 @@ serve(ar, ServeOptions(mountpoint=mountpoint, threads="single"))
 @pytest.mark.fuse
 @pytest.mark.parametrize("neighbour_first", [False, True], ids=["victim-first", "neighbour-first"])
 def test_c_path_refuses_a_member_whose_own_crc_failed(
-    packed: Path, src: Path, tmp_path: Path, mnt: Path, neighbour_first: bool
+    packed: Path, src: Path, tmp_path: Path, mnt: Path, neighbour_first: bool, finishing: None
 ) -> None:
     """A packed member whose CRC fails while its frame is sound: the frame is handed to the C path
     (it serves the frame's other members), but not that member, on any later read either. Read

@@ -17,23 +17,29 @@ page) before answering: 4–5 ms. Two things cut that down:
   window-sized allocation per decoder and no copy out of it; decoders are
   reused. Without the extension, python-zstandard's stream reader does the
   same job with that extra buffer and copy.
-* **Finished only when it pays.** A finished frame is cached: later reads of
-  its members cost nothing. That pays while the cache can hold a good share
-  of the archive. For an archive many times the cache (the 100 GB case), a
+* **Finished only when a frame comes back.** A finished frame is cached:
+  later reads of its members cost nothing. But finishing a frame at its first
+  read costs a whole frame's decode, and a fresh buffer to keep it, at the
+  moment readers start frames fastest (a shuffled epoch's start): with two
+  cores, the background thread competes with the readers it should serve.
+  Measured through the mount (a 420 MB archive, 512 MiB cache, shuffled reads
+  back to back): the first read of a frame took 2.45 ms median when every
+  frame was finished, 1.99 ms when frames were finished only once they came
+  back, for 6% fewer files/s over the epoch (one more prefix decode per
+  frame, once). For an archive many times the cache (the 100 GB case) a
   shuffled epoch seldom comes back to a frame before the cache evicts it, and
-  finishing doubled the decoding per first read (measured through the mount:
-  a 420 MB archive with a 64 MiB cache, four readers, 3.7–3.8 ms of daemon
-  CPU per read with finishing, 2.4 ms without, and 19% more files/s). So for
-  archives over ``FINISH_MAX_RATIO`` times the cache, frames stay partial: a
+  finishing doubled the decoding per first read (a 420 MB archive with a
+  64 MiB cache, four readers: 3.7–3.8 ms of daemon CPU per read with
+  finishing, 2.4 ms without, and 19% more files/s). So frames stay partial: a
   few of them, least recently used let go first, each decoded further only
   when a reader asks for bytes past where it stands (reading in archive order
   stays one pass, and a frame decoded to its end by its readers is cached);
   the buffer of a frame let go serves the next frame (measured: shuffled reads,
   four readers, 2.3 -> 1.4 ms of daemon CPU per read, as making fresh spares
-  had taken a third of it). Unless a frame proves it would stay: one started
-  again within fewer first reads of other frames than the cache holds frames
-  (say a validation split packed together, read each epoch) is finished and
-  cached, as with a small archive.
+  had taken a third of it). A frame that proves it would stay, started again
+  within fewer first reads of other frames than the cache holds frames (every
+  frame of an archive the cache holds, read at random; a validation split
+  packed together, read each epoch), is finished in the background and cached.
 * **Pre-faulted buffers.** Frames are decoded into anonymous mappings. The
   background thread keeps a few spare mappings, already populated, sized for the
   largest frame; a decode takes it (shrunk to the frame) instead of faulting
@@ -84,8 +90,8 @@ MIN_FRAME = 512 << 10  # smaller frames decode whole in one call (a mapping woul
 FINISH_STEP = 512 << 10  # the background thread lets readers of the same frame in after each step
 TAIL = 128 << 10  # a reader this close to a frame's end decodes to it (a frame's last member ends before it)
 MAX_PARTIAL = 4  # frames in flight at once (being finished, or kept partial)
-FINISH_MAX_RATIO = 2  # finish frames in the background for archives up to this many times the cache
-FINISH_ENV = os.environ.get("CDMLFS_FINISH_FRAMES", "auto")  # "1" always, "0" never (for A/B runs)
+# "1": finish every frame in the background from its first read; else once it comes back (A/B runs).
+FINISH_ENV = os.environ.get("CDMLFS_FINISH_FRAMES", "auto")
 MAX_SPARES = 8  # pre-faulted buffers kept ready
 INPUT_CHUNK = 64 << 10  # least compressed bytes per source read without a file descriptor (S3)
 MAX_INPUT_READ = 2 << 20  # most per read: it is held outside the cache while it is decoded
@@ -104,11 +110,10 @@ def backend() -> str:
     return "python-zstandard (CDMLFS_NATIVE=0)"
 
 
-def finishes_in_background(stream_size: int, cache_limit: int) -> bool:
-    """Whether frames are finished in the background (module docstring: when it pays)."""
-    if FINISH_ENV in ("0", "1"):
-        return FINISH_ENV == "1"
-    return stream_size <= FINISH_MAX_RATIO * cache_limit
+def finishes_in_background() -> bool:
+    """Whether every frame is finished in the background from its first read (module docstring:
+    by default only frames that come back are)."""
+    return FINISH_ENV == "1"
 
 
 class FrameEvicted(Exception):

@@ -318,7 +318,7 @@ class ZstdStream:
         """The frame worker, once ``bound_extents`` chose to use one (``_spare_size``)."""
         if not self._spare_size or self._cache is None:
             return None
-        finish = zstdframes.finishes_in_background(self.total, self._cache.limit)
+        finish = zstdframes.finishes_in_background()
         return zstdframes.FrameWorker(
             self._cache, self._spare_size, self.source, self._frame_span, finish, len(self.frames)
         )
