@@ -684,8 +684,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--read-deadline",
             type=_seconds,
             metavar="SECONDS",
-            help="longest a read may take, retries and slow replies included, before it fails with EIO "
-            "(default 60)",
+            help="longest one read request may take, retries and slow replies included, before it "
+            "fails with EIO (default 60; a large read() through a mount is several requests)",
         )
         g.add_argument(
             "--addressing-style",

@@ -618,6 +618,45 @@ def test_a_close_landing_inside_a_finishing_step_logs_no_error(
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
+def test_a_frame_let_go_inside_a_finishing_step_logs_no_error(
+    packed: Path, src: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, finishing: None
+) -> None:
+    """A reader's failed read (an S3 GET that gave up) lets its frame go while the background
+    thread is between its check and its step: the step raised FrameEvicted, logged as an ERROR
+    with a traceback (seen in an S3 soak under faults)."""
+    import threading
+
+    with Archive(str(packed), index_dir=str(tmp_path / "idx")) as ar:
+        worker = ar.format.stream._frames
+        assert worker is not None
+        real = zstdframes.PartialFrame.advance
+        hit: list[bool] = []
+
+        def let_go_first(self, upto: int) -> None:
+            if threading.current_thread() is worker._thread and not hit:
+                hit.append(True)
+                with self.lock:
+                    self._let_go()  # as a reader's failed read does
+            return real(self, upto)
+
+        fr = ar.format.stream.frames
+        first = next(i for i in range(len(fr)) if fr.dec_size[i] >= zstdframes.MIN_FRAME)
+        path = _members_of_frame(ar, first)[0]
+        with caplog.at_level(logging.DEBUG, logger="cdmlfs"):
+            zstdframes.PartialFrame.advance = let_go_first
+            try:
+                assert ar.read(path) == (src / path).read_bytes()  # its frame goes to the background
+                deadline = time.monotonic() + 10
+                while first in worker._partial and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            finally:
+                zstdframes.PartialFrame.advance = real
+        assert hit and first not in worker._partial
+        for member in _members_of_frame(ar, first):  # decoded afresh by its next reader
+            assert ar.read(member) == (src / member).read_bytes()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
 def test_close_that_gives_up_on_a_busy_reader_still_frees_its_frame(
     packed: Path, src: Path, tmp_path: Path, decoder: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -774,6 +774,10 @@ class FrameWorker(Decoders):
             # Its members that were checked on their own were served; the rest get EIO from
             # their own reads (which report it). Nothing of this frame enters the cache.
             log.debug("finishing %s failed: %s", p.where, exc)
+        except FrameEvicted:
+            # Let go between our check and the step (a reader's read failed inside it, an S3 GET
+            # that gave up): its next reader decodes it afresh. Not an error of ours.
+            log.debug("finishing %s stopped: the frame was let go", p.where)
         except SourceError as exc:
             # The archive closed inside a step (close() waits for it), or a read failed (an S3
             # GET that gave up): the frame was let go, its next reader decodes it afresh and

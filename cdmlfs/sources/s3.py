@@ -759,7 +759,11 @@ class S3Object:
             Urllib3Error,
         )
         if isinstance(exc, transient):
-            raise _Transient(f"{type(exc).__name__}: {_redact(str(exc))}") from None
+            # A body read that timed out names no URL (botocore's 'endpoint URL: "None"'): say which
+            # object it was (never a presigned URL: it carries a signature).
+            where = getattr(self, "location", "the object")  # tests may call this on a bare instance
+            text = _redact(str(exc)).replace('endpoint URL: "None"', where)
+            raise _Transient(f"{type(exc).__name__}: {text}") from None
         if isinstance(exc, BotoCoreError):
             raise SourceError(f"{self.location}: {_redact(str(exc))}") from None
 
