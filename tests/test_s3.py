@@ -1361,6 +1361,7 @@ def test_a_tls_error_in_the_middle_of_a_body_is_retried() -> None:
     from urllib3.exceptions import SSLError as Urllib3SSLError
 
     obj = s3mod.S3Object.__new__(s3mod.S3Object)  # classification needs no connection
+    obj.location = "s3://b/k"  # what its messages name
     for exc in (
         Urllib3SSLError(ssl.SSLError(1, "[SSL: DECRYPTION_FAILED_OR_BAD_RECORD_MAC]")),
         ProtocolError("x"),

@@ -26,7 +26,9 @@ class SourceIdentity(NamedTuple):
     location: str
     size: int
     version: str  # mtime.inode for local files, ETag for objects
-    changed: str = ""  # ctime for local files (and a hash of sampled bytes: LocalFile.index_identity)
+    # ctime for local files (and a hash of sampled bytes: LocalFile.index_identity); the endpoint
+    # for S3 objects off AWS. Keys the saved index only (same_bytes leaves it out).
+    changed: str = ""
 
     def key(self) -> str:
         return f"{self.location}\0{self.size}\0{self.version}\0{self.changed}"

@@ -150,10 +150,14 @@ def _whole_seconds(when: datetime.datetime) -> int:
     return int(when.timestamp())
 
 
+def _is_weak(etag: str) -> bool:
+    return etag.strip().startswith("W/")
+
+
 def _version(etag: str, last_modified: datetime.datetime | None) -> str:
     """The identity's version: the ETag; for a weak one, with the Last-Modified second as well (a
     weak ETag may stay the same when the bytes change, servers deriving it from size and mtime)."""
-    if etag.strip().startswith("W/"):
+    if _is_weak(etag):
         when = _whole_seconds(last_modified) if last_modified is not None else 0
         return f"{etag.strip()}@{when}"
     return _etag(etag)
@@ -228,7 +232,7 @@ class S3Object:
         # Format sniffing reads the first bytes: asked for at the same time as the suffix.
         self._head = head = _Background(self._head_bytes, HEAD_BYTES)
         self.size, self.etag, tail_start, tail = self._open(open_suffix)
-        self._weak = self.etag.strip().startswith("W/")
+        self._weak = _is_weak(self.etag)
         last_modified = getattr(self, "_last_modified", None)
         self.mtime = last_modified.timestamp() if last_modified is not None else 0.0
         self._no_modified_warned = False
@@ -761,8 +765,7 @@ class S3Object:
         if isinstance(exc, transient):
             # A body read that timed out names no URL (botocore's 'endpoint URL: "None"'): say which
             # object it was (never a presigned URL: it carries a signature).
-            where = getattr(self, "location", "the object")  # tests may call this on a bare instance
-            text = _redact(str(exc)).replace('endpoint URL: "None"', where)
+            text = _redact(str(exc)).replace('endpoint URL: "None"', self.location)
             raise _Transient(f"{type(exc).__name__}: {text}") from None
         if isinstance(exc, BotoCoreError):
             raise SourceError(f"{self.location}: {_redact(str(exc))}") from None
