@@ -417,19 +417,23 @@ class IndexBuilder:
         target_path = normalize(target_name, self._backslash)
         target = self._index._lookup.get(target_path)
         ix = self._index
-        if target is not None and ix.kind[target] == SYMLINK and target in ix.link_target:
-            # A hard link to a symlink (tar -x links the symlink itself): the same link, by value.
-            eid = self.add(name, SYMLINK, ix.mode[target], ix.mtime[target], ix.size[target], STORED, 0, 0, 0)
-            if eid is not None:
-                ix.link_target[eid] = ix.link_target[target]
-            return eid
-        if target is None or self._index.kind[target] != FILE:
+        is_link = target is not None and ix.kind[target] == SYMLINK and target in ix.link_target
+        if target is None or not (is_link or ix.kind[target] == FILE):
             log.warning("skipping hard link %r: target %r is not a file seen before it", name, target_name)
             self.dropped += 1
             return None
         if normalize(name, self._backslash) == target_path:
-            return target  # a link to itself: tar -x leaves the file as it is
+            return target  # a link to itself: tar -x leaves the entry as it is
         target = ix.hardlink_of.get(target, target)
+        if is_link:
+            # A hard link to a symlink: link(2) links the symlink itself (tar -x), so the same
+            # inode and link count as a file's hard link; its target is copied for readlink.
+            eid = self.add(name, SYMLINK, ix.mode[target], ix.mtime[target], ix.size[target], STORED, 0, 0, 0)
+            if eid is not None:
+                ix.link_target[eid] = ix.link_target[target]
+                if eid != target:
+                    ix.hardlink_of[eid] = target
+            return eid
         eid = self.add(
             name,
             FILE,

@@ -1523,15 +1523,18 @@ def test_hard_links_have_what_tar_x_gives(label: str, entries: list, tmp_path: P
     (tmp_path / "x").mkdir()
     expected = _extracted_links(archive, tmp_path / "x")
     with Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
-        got = {}
+        got, inodes = {}, {}
         for name in sorted(expected):
             st = ar.stat(name, follow_symlinks=False)
             data = ar.read(name) if st.kind == FILE else None
-            if st.kind != FILE:
-                got[name] = (expected[name][0], st.mode & 0o7777, int(st.mtime), None)  # symlinks: no nlink
-            else:
-                got[name] = (st.nlink, st.mode & 0o7777, int(st.mtime), data)
+            got[name] = (st.nlink, st.mode & 0o7777, int(st.mtime), data)
+            inodes.setdefault(st.ino, set()).add(name)
     assert got == expected
+    # The same names share an inode (a hard link to a symlink too: link(2) links the symlink).
+    x_inodes: dict[int, set] = {}
+    for name in expected:
+        x_inodes.setdefault((tmp_path / "x" / name).lstat().st_ino, set()).add(name)
+    assert sorted(map(sorted, inodes.values())) == sorted(map(sorted, x_inodes.values()))
     # Packed again, the same tree comes out of tar -x (a link whose target was replaced keeps v1).
     packed = cdmlfs_pack(archive, tmp_path / "again.tar.zst", "--index-dir", str(tmp_path / "idx"))
     (tmp_path / "y").mkdir()

@@ -370,3 +370,23 @@ def test_a_truncated_tar_mounts_and_its_daemon_log_says_so(tmp_path: Path, mnt: 
         assert (m / "kept.txt").read_bytes() == b"k" * 600
     log = log_file.read_text()
     assert "when opened:" in log and "cut.tar" in log and "end-of-archive blocks" in log, log
+
+
+def test_a_hard_link_to_a_symlink_shares_its_inode_on_the_mount(tmp_path: Path, mnt: Path) -> None:
+    """GNU tar stores a hard-linked symlink as a link to it; tar -x links the symlink itself (one
+    inode, two names). The mount gave the second name an inode of its own with st_nlink 1."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "target.txt").write_bytes(b"t\n")
+    os.symlink("target.txt", src / "sym")
+    os.link(src / "sym", src / "sym_hard", follow_symlinks=False)
+    archive = gnu_tar(tmp_path / "s.tar", src, "gnu")
+    ref = extract(archive, tmp_path / "ref")
+    r1, r2 = (os.lstat(ref / n) for n in ("sym", "sym_hard"))
+    assert r1.st_ino == r2.st_ino and r1.st_nlink == 2  # what tar -x gives
+    with mounted(archive, mnt, "--index-dir", str(tmp_path / "idx")):
+        m1, m2 = (os.lstat(mnt / n) for n in ("sym", "sym_hard"))
+        assert m1.st_ino == m2.st_ino and m1.st_nlink == m2.st_nlink == 2
+        assert os.readlink(mnt / "sym_hard") == "target.txt"
+        assert (mnt / "sym_hard").read_bytes() == b"t\n"
+        assert tree(mnt) == tree(ref)
