@@ -11,7 +11,8 @@ Two measurements on one ZIP object (~1 GiB stored member plus many 2 KiB members
    directory.
 2. **Sequential read of the 1 GiB member**: cdmlfs (Python API and FUSE mount)
    versus raw boto3 parallel range GETs of the same byte range, direct to
-   localbucket. Target: cdmlfs >= 80% of raw throughput.
+   localbucket (8 or 16 threads, 8 or 16 MiB parts; the fastest is the baseline). Target:
+   cdmlfs >= 80% of raw throughput.
 3. **Random small members, 8 threads, through a mount**: files/s and CPU per
    file (reader + daemon) with ranged GETs by presigned URL (the default)
    versus every GET through boto3's ``get_object`` (``CDMLFS_S3_PRESIGNED=0``).
@@ -315,6 +316,10 @@ def bench_random(args, server, smalls, cd_size: int, work: Path) -> None:
             finally:
                 proxy.close()
             res["needed"] = needed
+            want = sum(i.file_size for i in picks)
+            if res["got"] != want:  # a tool answering short reads must not look fast
+                print(f"  round {r + 1} {who}: FAILED: read {res['got']} bytes of {want}")
+                continue
             results[who].append(res)
             print(
                 f"  round {r + 1} {who:10s}: mount {res['mount_s']:6.2f} s"
@@ -344,8 +349,10 @@ def bench_random(args, server, smalls, cd_size: int, work: Path) -> None:
         time_ratio = med(t, "read_s") / med(c, "read_s")
         bytes_ratio = med(t, "read_bytes", "mount_bytes") / med(c, "read_bytes", "mount_bytes")
         print(
-            f"  ratio ratarmount/cdmlfs: read time {time_ratio:.1f}x,"
-            f" bytes (mount + reads) {bytes_ratio:.1f}x"
+            f"  ratio ratarmount/cdmlfs: bytes (mount + reads) {bytes_ratio:.1f}x; read time"
+            f" {time_ratio:.1f}x (through the counting proxy, pure Python, whose cost grows with the"
+            " bytes: it weighs on ratarmount's time more than on cdmlfs's; ratarmount with s3fs's"
+            " default block size)"
         )
 
 
@@ -357,7 +364,8 @@ def bench_sequential(args, server, big_at: int, big_size: int, work: Path) -> No
     times: dict[str, list[float]] = {
         "raw boto3 8x8MiB": [],
         "raw boto3 16x8MiB": [],
-        "raw boto3 8x16MiB": [],  # larger parts than cdmlfs requests: shown for reference
+        "raw boto3 8x16MiB": [],  # cdmlfs's parts: 16 MiB, 8 prefetch + 8 foreground connections
+        "raw boto3 16x16MiB": [],
         "cdmlfs API": [],
         "cdmlfs FUSE": [],
     }
@@ -391,13 +399,13 @@ def bench_sequential(args, server, big_at: int, big_size: int, work: Path) -> No
                 flush=True,
             )
     med = {k: median(v) for k, v in times.items()}
-    # The target compares with raw GETs of the parts cdmlfs requests (8 MiB); the best raw of all
-    # (larger parts cost botocore fewer requests) is printed too.
-    best_raw = min(med["raw boto3 8x8MiB"], med["raw boto3 16x8MiB"])
-    best_any = min(t for k, t in med.items() if k.startswith("raw"))
+    # The target compares with the fastest raw configuration (cdmlfs requests 16 MiB parts on up to
+    # 16 connections; larger parts cost botocore fewer requests); 8 MiB parts are shown too.
+    best_raw = min(t for k, t in med.items() if k.startswith("raw"))
+    raw_8 = min(med["raw boto3 8x8MiB"], med["raw boto3 16x8MiB"])
     for name, t in med.items():
         print(f"  {name:18s} median {t:6.2f} s  {big_size / t / MiB:7.1f} MiB/s  "
-              f"= {best_raw / t * 100:5.1f}% of raw 8 MiB parts ({best_any / t * 100:5.1f}% of the best raw);"
+              f"= {best_raw / t * 100:5.1f}% of the best raw ({raw_8 / t * 100:5.1f}% of raw 8 MiB parts);"
               f" CPU s/GiB: client {median(client_cpu[name]):.2f},"
               f" endpoint {median(server_cpu[name]):.2f}")  # fmt: skip
     cores = os.cpu_count() or 1
