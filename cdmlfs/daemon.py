@@ -380,7 +380,10 @@ def mount_daemon(
     Interrupted while waiting (Ctrl-C, SIGTERM, SIGHUP from a closed terminal), or timed
     out, it stops the daemon and removes the mount: a command that did not succeed leaves
     nothing (a SIGHUP killed the command outright and left a daemon finishing its mount).
-    A signal the caller ignores (``nohup``) stays ignored.
+    A signal the caller ignores (``nohup``) stays ignored. Once the outcome is known (the
+    mount answers, or the daemon is being stopped), those signals are ignored until the
+    command exits: one landing in the last milliseconds killed it with the mount in place
+    (a failed command that left a mount), or cut a clean-up short. The CLI exits right after.
     ``close_fds``: descriptors the caller was given (see :func:`inherited_fds`), closed in the daemon.
     """
     log_start = os.path.getsize(log_file) if os.path.exists(log_file) else 0
@@ -413,22 +416,20 @@ def mount_daemon(
     os.close(wfd)
     if opts.lock_fd is not None:  # the daemon holds the mount point lock until its mount answers
         os.close(opts.lock_fd)
-    previous = {
-        sig: signal.signal(sig, _raise_interrupt)
-        for sig in (signal.SIGTERM, signal.SIGHUP)
-        if signal.getsignal(sig) is not signal.SIG_IGN
-    }
+    ours = [sig for sig in _STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
     try:
+        for sig in ours:  # in the try: a signal taken by another thread is handled at any bytecode
+            signal.signal(sig, _raise_interrupt)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
         waited = _wait_ready(rfd, pid)
         ok = waited == "ready" and _answers(opts.mountpoint)
         reaped = not ok and _reaped(pid)
+        _ignore_stop_signals(ours)  # decided: success with a mount, or a failure cleaned up below
     except BaseException:
+        _ignore_stop_signals(ours)  # interrupted: nothing cuts the clean-up short
         _abandon(pid, opts.mountpoint)
         raise
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         os.close(rfd)
     if ok:
         if verbose:
@@ -448,7 +449,16 @@ _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
+    # The first stop signal decides: a second one must not interrupt the clean-up it starts.
+    _ignore_stop_signals(_STOP_SIGNALS)
     raise KeyboardInterrupt
+
+
+def _ignore_stop_signals(signals) -> None:
+    """Ignore ``signals`` from now on: process-wide, unlike a signal mask (the archive may have
+    started threads, and one of them would take a signal the main thread blocks)."""
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _reaped(pid: int) -> bool:

@@ -551,6 +551,38 @@ def test_mount_interrupted_after_the_fork_leaves_nothing(tmp_path: Path, mnt: Pa
             )
 
 
+def test_a_signal_as_the_mount_appears_gives_a_consistent_outcome(tmp_path: Path, mnt: Path) -> None:
+    """A signal in the last milliseconds of ``cdmlfs mount`` (the mount up, the command not yet
+    exited) killed the command (status -15) with the mount in place: a failure that left a mount.
+    Now the outcome holds either way: exit 0 with the mount, or non-zero without it."""
+    good = python_zip(tmp_path / "good.zip", sample_files())
+    # The old window: 4-32 ms after the mount showed, every signal killed the command.
+    for delay in (0.008, 0.016, 0.024):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            _signal_after_the_mount_shows(good, mnt, sig, delay)
+
+
+def _signal_after_the_mount_shows(good: Path, mnt: Path, sig: int, delay: float) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cdmlfs", "mount", str(good), str(mnt)], stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 30
+    while proc.poll() is None and not is_mounted(mnt) and time.monotonic() < deadline:
+        pass  # busy: the window is a few milliseconds
+    shown = time.perf_counter()
+    while time.perf_counter() - shown < delay:
+        pass
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    code = proc.wait(timeout=30)
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    time.sleep(0.3)
+    up = is_mounted(mnt)
+    if up:
+        run_cli("umount", str(mnt), check=True)
+    assert (code == 0) == up, (sig, delay, code, up, err)
+
+
 def test_umount_refuses_what_is_not_fuse(tmp_path: Path) -> None:
     """As root, umount(8) would take down any file system: only FUSE mounts (or dead ones) go."""
     if os.geteuid() != 0:
