@@ -25,6 +25,8 @@ from cdmlfs.errors import (
     MemberError,
     NotASymlinkError,
     NotFoundError,
+    PathIsADirectoryError,
+    PathNotADirectoryError,
     SourceChangedError,
     SourceError,
     UnsafeDestinationError,
@@ -43,6 +45,8 @@ __all__ = [
     "MemberError",
     "NotASymlinkError",
     "NotFoundError",
+    "PathIsADirectoryError",
+    "PathNotADirectoryError",
     "SourceChangedError",
     "SourceError",
     "UnsafeDestinationError",
@@ -57,6 +61,11 @@ def open(location: str, **kwargs):
     """Open an archive (path or URI) for reading through the Python API.
 
     ``cache_size`` (bytes, or a string like ``"2G"``; default 512M) bounds the decoded data held.
+    ``index_dir``: where tar indexes are kept (default under the user's cache directory).
+    For ``s3://bucket/key`` URIs, the options of ``cdmlfs mount``: ``endpoint_url``, ``region``,
+    ``profile``, ``no_sign_request``, ``addressing_style`` (``"path"``/``"virtual"``),
+    ``max_connections``, ``part_size``, ``connect_timeout``, ``read_timeout`` and ``retry``
+    (a :class:`cdmlfs.sources.retry.RetryPolicy`). Credentials come from boto3's usual chain.
     """
     from cdmlfs.archive import Archive
 

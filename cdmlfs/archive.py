@@ -22,12 +22,12 @@ from collections.abc import Callable, Iterator
 from cdmlfs.cache import ExtentCache
 from cdmlfs.errors import (
     ArchiveFormatError,
-    IsADirectoryError_,
     LinkLoopError,
     MemberError,
-    NotADirectoryError_,
     NotASymlinkError,
     NotFoundError,
+    PathIsADirectoryError,
+    PathNotADirectoryError,
     SourceChangedError,
     UnsafeDestinationError,
 )
@@ -44,7 +44,7 @@ DEFAULT_CACHE_SIZE = 512 << 20
 MIN_CACHE_SIZE = 1 << 20
 OPTIONS = S3_OPTIONS | {"index_dir"}  # what Archive(**options) passes to sources and formats
 MAX_SYMLINK_HOPS = 40
-_MISSING = (NotFoundError, LinkLoopError, NotADirectoryError_)  # os.path.exists / isdir / isfile: False
+_MISSING = (NotFoundError, LinkLoopError, PathNotADirectoryError)  # os.path.exists / isdir / isfile: False
 
 
 class _WarningsOfThisThread(logging.Handler):
@@ -268,7 +268,7 @@ class Archive:
         while todo:
             name, from_link = todo.popleft()
             if index.kind[cur] != DIR:
-                raise NotADirectoryError_(f"{text}: not a directory")
+                raise PathNotADirectoryError(f"{text}: not a directory")
             if name in ("", "."):
                 continue
             if name == "..":
@@ -339,7 +339,7 @@ class Archive:
     def listdir(self, path: str = "") -> list[str]:
         eid = self._resolve(path)
         if self.index.kind[eid] != DIR:
-            raise NotADirectoryError_(f"{path}: not a directory")
+            raise PathNotADirectoryError(f"{path}: not a directory")
         return [self.index.name(c) for c in self.index.children(eid)]
 
     def scandir(self, path: str = "") -> list[EntryStat]:
@@ -347,7 +347,7 @@ class Archive:
         mode, mtime... as attributes, not ``os.DirEntry`` methods), read from the index at once."""
         eid = self._resolve(path)
         if self.index.kind[eid] != DIR:
-            raise NotADirectoryError_(f"{path}: not a directory")
+            raise PathNotADirectoryError(f"{path}: not a directory")
         return [self.index.stat(c) for c in self.index.children(eid)]
 
     def walk(self, top: str = "") -> Iterator[tuple[str, list[str], list[str]]]:
@@ -415,7 +415,7 @@ class Archive:
             raise ValueError(f"negative offset {offset}")
         eid = self._resolve(path)
         if self.index.kind[eid] == DIR:
-            raise IsADirectoryError_(f"{path}: is a directory")
+            raise PathIsADirectoryError(f"{path}: is a directory")
         if size < 0:
             size = self.index.size[self.index.data_entry(eid)] - offset
         return self.reader.read(eid, offset, size)
@@ -435,7 +435,7 @@ class Archive:
             raise ValueError(f"archive members open read-only in binary mode ('rb'), not {mode!r}")
         eid = self._resolve(path)
         if self.index.kind[eid] == DIR:
-            raise IsADirectoryError_(f"{path}: is a directory")
+            raise PathIsADirectoryError(f"{path}: is a directory")
         raw = MemberFile(self.reader, eid, self._name_for(path, eid))  # as asked: a link's own name
         raw._archive = self  # the archive lives as long as a file of it is open: cdmlfs.open(p).open(n)
         if buffering == 0:

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from cdmlfs import __version__, fuseloop, sizes
 from cdmlfs.errors import (
     CdmlfsError,
-    IsADirectoryError_,
     LinkLoopError,
     MemberError,
-    NotADirectoryError_,
     NotFoundError,
+    PathIsADirectoryError,
+    PathNotADirectoryError,
     UnsafeDestinationError,
     UsageError,
 )
@@ -37,8 +37,8 @@ _ONE_PATH_ERRORS = (
     MemberError,
     NotFoundError,
     LinkLoopError,
-    IsADirectoryError_,
-    NotADirectoryError_,
+    PathIsADirectoryError,
+    PathNotADirectoryError,
     UnsafeDestinationError,
 )
 
@@ -460,8 +460,9 @@ def cmd_pack(args: argparse.Namespace) -> int:
         n = summary["frames"]
         frames = f", {n} frame{'s' if n != 1 else ''}" if n else ""
         print(
-            f"cdmlfs: packed {summary['members']} members ({summary['bytes'] / 2**20:.1f} MiB) into "
-            f"{args.output} ({summary['output_bytes'] / 2**20:.1f} MiB{frames}) in {summary['seconds']:.1f}s",
+            f"cdmlfs: packed {summary['members']} members ({sizes.human_bytes(summary['bytes'])}) into "
+            f"{args.output} ({sizes.human_bytes(summary['output_bytes'])}{frames})"
+            f" in {summary['seconds']:.1f}s",
             file=sys.stderr,
         )
     if summary["changed"]:  # the archive is written, but not all of it is what was listed (GNU tar: 1)
@@ -600,7 +601,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _mib(n: int | None) -> str:
-    return "?" if n is None else f"{n / 2**20:,.1f} MiB"
+    return "?" if n is None else sizes.human_bytes(n)  # 0.0 MiB read as nothing on small archives
 
 
 def _format_stats(s: dict, quote: Callable[[str], str] = str) -> str:

@@ -70,13 +70,13 @@ class LinkLoopError(CdmlfsError):
     errno = _errno.ELOOP
 
 
-class IsADirectoryError_(CdmlfsError):
+class PathIsADirectoryError(CdmlfsError):
     """A file operation was asked of a directory."""
 
     errno = _errno.EISDIR
 
 
-class NotADirectoryError_(CdmlfsError):
+class PathNotADirectoryError(CdmlfsError):
     """A directory operation was asked of a file."""
 
     errno = _errno.ENOTDIR

@@ -17,7 +17,7 @@ from array import array
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from cdmlfs.errors import ArchiveFormatError, NotADirectoryError_, NotFoundError
+from cdmlfs.errors import ArchiveFormatError, NotFoundError, PathNotADirectoryError
 from cdmlfs.pathrules import normalize
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class Index:
     def children(self, eid: int) -> array:
         """Ids of the entries in directory ``eid``: name order, or archive order for tar (see ``finish``)."""
         if self.kind[eid] != DIR:
-            raise NotADirectoryError_(f"{self.paths[eid]}: not a directory")
+            raise PathNotADirectoryError(f"{self.paths[eid]}: not a directory")
         return self._children.get(eid, _EMPTY)
 
     def name(self, eid: int) -> str:

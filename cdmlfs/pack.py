@@ -316,7 +316,7 @@ def entries_from_directory(
             skipped += 1
             log.warning("skipping %s: sockets, devices and FIFOs are not packed", item.path)
     if skipped:
-        log.warning("skipped %d special files", skipped)
+        log.warning("skipped %d special file%s", skipped, "" if skipped == 1 else "s")
     return out
 
 

@@ -22,8 +22,8 @@ from cdmlfs.errors import (
     CorruptMemberError,
     EncryptedMemberError,
     LinkLoopError,
-    NotADirectoryError_,
     NotFoundError,
+    PathNotADirectoryError,
     UnsupportedMethodError,
     UsageError,
 )
@@ -329,7 +329,7 @@ def test_links_resolve_where_they_are_and_a_slash_asks_for_a_directory(tmp_path:
         with pytest.raises(OSError):  # as os.readlink: EINVAL, an OSError too
             ar.readlink("b.txt")
         assert ar.listdir("deep/") == sorted(os.listdir(src / "deep"))
-        with pytest.raises(NotADirectoryError_):
+        with pytest.raises(PathNotADirectoryError):
             ar.read("b.txt/")
 
 
@@ -341,7 +341,7 @@ def test_odd_paths_resolve_as_the_kernel_resolves_them(tmp_path: Path) -> None:
     import stat
     import tarfile
 
-    from cdmlfs.errors import CdmlfsError, IsADirectoryError_
+    from cdmlfs.errors import CdmlfsError, PathIsADirectoryError
 
     src = tmp_path / "d"
     (src / "sub/deeper").mkdir(parents=True)
@@ -395,7 +395,7 @@ def test_odd_paths_resolve_as_the_kernel_resolves_them(tmp_path: Path) -> None:
         def through_api(path: str) -> tuple:
             try:
                 return ("file", ar.read(path))
-            except IsADirectoryError_:
+            except PathIsADirectoryError:
                 return ("dir", sorted(ar.listdir(path)))
             except CdmlfsError as exc:
                 return ("error", exc.errno)

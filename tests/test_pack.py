@@ -1384,3 +1384,16 @@ def test_frames_in_flight_stay_within_the_memory_budget_whatever_the_thread_coun
     assert 1 <= peak["compressing"] <= 4 and 1 <= peak["held"] <= 4, peak  # 8 frames' bytes, twice each
     with Archive(str(out), index_dir=str(tmp_path / "idx")) as ar:
         assert all(ar.read(p.name) == p.read_bytes() for p in src.iterdir())
+
+
+def test_a_small_pack_says_its_sizes_and_counts_as_they_are(tmp_path: Path) -> None:
+    """A few small files were "0.0 MiB" packed into "0.0 MiB", and one FIFO "1 special files"."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_bytes(b"x" * 3000)
+    os.mkfifo(src / "pipe")
+    res = run_cli("pack", str(src), str(tmp_path / "o.tar.zst"))
+    err = res.stderr.decode()
+    assert res.returncode == 0, err
+    assert "skipped 1 special file\n" in err and "0.0 MiB" not in err, err
+    assert "(2.9 KiB) into" in err, err

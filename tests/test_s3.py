@@ -7,6 +7,7 @@ and injects 503s, resets, stalls and short bodies.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import os
@@ -25,7 +26,7 @@ from archives import python_zip, sample_files
 from mountutil import run_cli
 
 from cdmlfs.archive import Archive
-from cdmlfs.errors import SourceChangedError, SourceError, UsageError
+from cdmlfs.errors import ArchiveNotFoundError, SourceChangedError, SourceError, UsageError
 from cdmlfs.sources import s3 as s3mod
 from cdmlfs.sources.local import LocalFile
 from cdmlfs.sources.retry import RetryPolicy
@@ -139,10 +140,14 @@ def test_zip_on_moto_equals_local_and_opens_with_one_request(moto_s3, proxy_to, 
 
 def test_open_errors_are_one_line_usage_or_source_errors(moto_s3, proxy_to, tmp_path: Path) -> None:
     moto_s3.put("errs", "x.zip", _small_zip(tmp_path))
-    with pytest.raises(UsageError, match="no such object"):
+    # ArchiveNotFoundError (ENOENT), as for a missing local file: it was a bare UsageError (EINVAL).
+    with pytest.raises(ArchiveNotFoundError, match="no such object") as missing:
         Archive("s3://errs/missing.zip", endpoint_url=moto_s3.url)
-    with pytest.raises(UsageError, match="no such object"):
+    assert missing.value.errno == errno.ENOENT
+    with pytest.raises(ArchiveNotFoundError, match="no such bucket 'no-such-bucket'"):
         Archive("s3://no-such-bucket/x.zip", endpoint_url=moto_s3.url)
+    with pytest.raises(UsageError, match=r"retry must be a cdmlfs\.sources\.retry\.RetryPolicy"):
+        Archive("s3://errs/x.zip", endpoint_url=moto_s3.url, retry=1)
     proxy = proxy_to(moto_s3)
     proxy.inject("403", 2)  # the suffix and the head requests
     with pytest.raises(SourceError, match="access denied"):

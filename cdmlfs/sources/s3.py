@@ -37,7 +37,7 @@ import time
 
 from cdmlfs import __version__, forksafe
 from cdmlfs.cache import ExtentCache
-from cdmlfs.errors import SourceChangedError, SourceError, UsageError
+from cdmlfs.errors import ArchiveNotFoundError, SourceChangedError, SourceError, UsageError
 from cdmlfs.sources.base import SourceIdentity
 from cdmlfs.sources.blocks import BlockConfig, BlockLayer
 from cdmlfs.sources.retry import RetryPolicy
@@ -96,7 +96,7 @@ class _Transient(Exception):
     """One attempt failed in a way worth retrying (the message says how)."""
 
 
-class _GaveUp(SourceError):
+class RetriesExhaustedError(SourceError):
     """A read whose retries ran out (of attempts or of time): see FAILED_RANGE_MEMORY."""
 
 
@@ -192,6 +192,8 @@ class S3Object:
         self.bucket, self.key = parse_s3_uri(uri)
         self.location = f"s3://{self.bucket}/{self.key}"
         self.endpoint_url = endpoint_url
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise UsageError(f"retry must be a cdmlfs.sources.retry.RetryPolicy, not {retry!r}")
         self.retry = retry or RetryPolicy()
         if max_connections < 2:
             raise UsageError("max_connections must be at least 2")
@@ -549,7 +551,7 @@ class S3Object:
 
         try:
             return self._with_retries(attempt, f"GET bytes={start}-{end - 1}", since)
-        except _GaveUp as exc:
+        except RetriesExhaustedError as exc:
             if not self._closed:
                 self._failed_ranges[(start, end)] = (time.monotonic(), str(exc))
             raise
@@ -683,7 +685,7 @@ class S3Object:
                         "%s: %s failed %d times in %.1f s, giving up: %s",
                         self.location, what, failures, elapsed, exc,
                     )  # fmt: skip
-                    raise _GaveUp(
+                    raise RetriesExhaustedError(
                         f"{self.location}: {what} failed after {failures} attempts in {elapsed:.1f} s ({exc})"
                     ) from None
                 self.retries += 1
@@ -730,7 +732,8 @@ class S3Object:
             if code in ("NoSuchKey", "NoSuchBucket") or status == 404:
                 if not opening:
                     raise self._mark_changed("it was deleted") from None
-                raise UsageError(f"{self.location}: no such object ({code or status})") from None
+                what = f"no such bucket {self.bucket!r}" if code == "NoSuchBucket" else "no such object"
+                raise ArchiveNotFoundError(f"{self.location}: {what} ({code or status})") from None
             if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch") or status == 403:
                 hint = (
                     ""
