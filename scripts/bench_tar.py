@@ -53,8 +53,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
+from mountutil import await_exit  # noqa: E402 (tests/, the path fix above)
 from ratarmount_venv import DEFAULT_VENV, ensure_ratarmount  # noqa: E402 (scripts/, this file's directory)
 
 from cdmlfs.mountpoints import is_mounted  # noqa: E402 (after the path fix above)
@@ -169,9 +171,7 @@ class Mount:
                 self._proc.wait()
             self._proc = None
         if self._pid is not None:
-            deadline = time.monotonic() + 30
-            while os.path.exists(f"/proc/{self._pid}") and time.monotonic() < deadline:
-                time.sleep(0.01)
+            await_exit(self._pid, 30)
             self._pid = None
 
 

@@ -35,8 +35,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
+from mountutil import await_exit  # noqa: E402 (tests/, the path fix above)
 from ratarmount_venv import DEFAULT_VENV, ensure_ratarmount  # noqa: E402 (scripts/, this file's directory)
 
 from cdmlfs.mountpoints import is_mounted  # noqa: E402 (after the path fix above)
@@ -136,9 +138,7 @@ class CdmlfsMount:
         unmount(self.mnt)
         # The next measurement starts once this daemon is gone: one tearing down a 200k-entry
         # index competes with it for the 2 cores.
-        deadline = time.monotonic() + 30
-        while os.path.exists(f"/proc/{self.pid}") and time.monotonic() < deadline:
-            time.sleep(0.01)
+        await_exit(self.pid, 30)
 
 
 class RatarmountMount:
