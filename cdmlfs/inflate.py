@@ -268,7 +268,8 @@ def _load_native() -> tuple[Any, str]:
     except ImportError as exc:
         log.warning("cdmlfs._native is not built, using the slower pure-Python inflate: %s", exc)
         return None, f"cdmlfs._native not built: {exc}"
-    return _native, f"libdeflate {_native.LIBDEFLATE_VERSION}, zlib {_native.ZLIB_VERSION}"
+    detail = f"libdeflate {_native.LIBDEFLATE_VERSION}, zlib {_native.ZLIB_VERSION}"
+    return _native, f"{detail}, CRC-32 by {_native.CRC32_BACKEND}"
 
 
 _native, _detail = _load_native()
@@ -322,7 +323,8 @@ _active = NATIVE or PYTHON
 
 
 def backend() -> tuple[str, str]:
-    """Which implementation is in use and why, e.g. ("native", "libdeflate 1.14, zlib 1.2.13")."""
+    """Which implementation is in use and why, e.g.
+    ("native", "libdeflate 1.14, zlib 1.2.13, CRC-32 by isa-l")."""
     return ("native" if NATIVE is not None else "python", _detail)
 
 

@@ -35,6 +35,8 @@
 #include <libdeflate.h>
 #include <zlib.h>
 
+#include "crc32.h"
+
 /* Reason strings: cdmlfs/inflate.py's pure-Python fallback uses the same ones. */
 #define MSG_BAD_DATA "invalid deflate data"
 #define MSG_SIZE "inflated to a different size than declared"
@@ -294,7 +296,7 @@ check_crc(const void *buf, size_t n, int64_t expected, result_t *r)
     uint32_t got;
     if (expected < 0)
         return;
-    got = libdeflate_crc32(0, buf, n);
+    got = cdmlfs_crc32(0, buf, n);
     if (got != (uint32_t)expected) {
         r->st = ST_CRC;
         r->expected = (uint32_t)expected;
@@ -443,11 +445,11 @@ py_crc32(PyObject *self, PyObject *args, PyObject *kwargs)
         return NULL;
     if (in.len >= GIL_FREE_CRC_MIN) {
         Py_BEGIN_ALLOW_THREADS
-        crc = libdeflate_crc32((uint32_t)value, in.buf, (size_t)in.len);
+        crc = cdmlfs_crc32((uint32_t)value, in.buf, (size_t)in.len);
         Py_END_ALLOW_THREADS
     }
     else {
-        crc = libdeflate_crc32((uint32_t)value, in.buf, (size_t)in.len);
+        crc = cdmlfs_crc32((uint32_t)value, in.buf, (size_t)in.len);
     }
     PyBuffer_Release(&in);
     return PyLong_FromUnsignedLong(crc);
@@ -687,7 +689,7 @@ builder_run(ZranBuilder *b, const unsigned char *in, size_t n)
             return zlib_status(ret);
         if (b->out_pos + (int64_t)produced > b->size)
             return ST_SIZE;
-        b->crc = libdeflate_crc32(b->crc, b->scratch, produced);
+        b->crc = cdmlfs_crc32(b->crc, b->scratch, produced);
         b->out_pos += (int64_t)produced;
         while (b->next_end < b->n_intervals) {
             int64_t end = (b->next_end + 1) * b->spacing;
@@ -1053,7 +1055,7 @@ static PyTypeObject ZranReaderType = {
 
 static PyMethodDef module_methods[] = {
     {"crc32", (PyCFunction)(void (*)(void))py_crc32, METH_VARARGS | METH_KEYWORDS,
-     "crc32(data, value=0) -> int: CRC-32 as zlib.crc32, via libdeflate."},
+     "crc32(data, value=0) -> int: CRC-32 as zlib.crc32, via ISA-L or libdeflate (CRC32_BACKEND)."},
     {"inflate", (PyCFunction)(void (*)(void))py_inflate, METH_VARARGS | METH_KEYWORDS,
      "inflate(data, size, crc) -> bytes: raw deflate to exactly size bytes, CRC checked."},
     {"inflate_into", (PyCFunction)(void (*)(void))py_inflate_into, METH_VARARGS | METH_KEYWORDS,
@@ -1109,6 +1111,7 @@ PyInit__native(void)
     }
     if (PyModule_AddStringConstant(m, "LIBDEFLATE_VERSION", LIBDEFLATE_VERSION_STRING) < 0
         || PyModule_AddStringConstant(m, "ZLIB_VERSION", zlibVersion()) < 0
+        || PyModule_AddStringConstant(m, "CRC32_BACKEND", CDMLFS_CRC32_BACKEND) < 0
         || PyModule_AddIntConstant(m, "MAX_RATIO", MAX_RATIO) < 0
         || PyModule_AddIntConstant(m, "RATIO_SLACK", RATIO_SLACK) < 0)
         goto fail;

@@ -36,6 +36,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "crc32.h"
+
 /* Mirrors cdmlfs.index. */
 enum { K_FILE = 0, K_DIR = 1, K_SYMLINK = 2 };
 enum { M_STORED = 0, M_DEFLATE = 8, M_IN_STREAM = 0xFF00 };
@@ -406,7 +408,7 @@ read_hot(FastPath *t, Py_ssize_t e, char *buf, size_t size, off_t off, uint64_t 
         int64_t start = t->hot[i].start; /* <= member (check_crc) or <= at */
         if (check_crc) {
             int whole = member + (int64_t)total <= start + (int64_t)t->hot[i].view.len;
-            if (whole && libdeflate_crc32(0, ext + (member - start), (size_t)total) == COL(t, COL_CRC, uint32_t)[e])
+            if (whole && cdmlfs_crc32(0, ext + (member - start), (size_t)total) == COL(t, COL_CRC, uint32_t)[e])
                 COL(t, COL_VERIFIED, uint8_t)[e] = V_VERIFIED;
             else
                 check_crc = -1; /* not here in one piece, or a mismatch: Python checks and reports */
@@ -466,7 +468,7 @@ fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
             /* First read of a member: only when it covers the whole member, so the CRC can be checked. */
             if (off != 0 || size < total || (int64_t)total > t->whole_limit)
                 goto slow;
-            if (pread_full(t->fd, buf, total, data_at) != 0 || libdeflate_crc32(0, buf, total) != crc)
+            if (pread_full(t->fd, buf, total, data_at) != 0 || cdmlfs_crc32(0, buf, total) != crc)
                 goto slow; /* Python re-reads, reports and logs */
             verified[e] = V_VERIFIED;
             from_source = total;
@@ -497,7 +499,7 @@ fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
     size_t used = 0;
     int ok = pread_full(t->fd, in, comp, data_at) == 0 &&
              libdeflate_deflate_decompress_ex(d, in, comp, buf, total, &used, NULL) == LIBDEFLATE_SUCCESS &&
-             used == comp && libdeflate_crc32(0, buf, total) == crc;
+             used == comp && cdmlfs_crc32(0, buf, total) == crc;
     if (in != stackbuf)
         free(in);
     if (!ok)
@@ -887,6 +889,10 @@ PyInit__fastpath(void)
     Py_INCREF(&FastPathType);
     if (PyModule_AddObject(m, "FastPath", (PyObject *)&FastPathType) < 0) {
         Py_DECREF(&FastPathType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddStringConstant(m, "CRC32_BACKEND", CDMLFS_CRC32_BACKEND) < 0) {
         Py_DECREF(m);
         return NULL;
     }

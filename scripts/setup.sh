@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything cdmlfs needs on a fresh Debian/Ubuntu machine, into ./.venv.
 #   system: fuse3 + libfuse2 (FUSE user space; libfuse2 is the fallback the tests also mount with),
-#           libdeflate/zlib/zstd/xxhash + pkg-config + Python headers (C builds), python3-venv where
+#           libdeflate/zlib/zstd/xxhash/isa-l + pkg-config + Python headers (C builds), python3-venv where
 #           Debian splits it out, zip/unzip/zstd, bsdtar (libarchive-tools) and 7z (p7zip-full): test
 #           fixtures from real producers and reference extraction; strace (a test watches syscalls)
 #   python: torch 2.14.1 + torchvision 0.29.1 (pinned), cdmlfs in editable mode with test extras
@@ -18,7 +18,7 @@ for arg in "$@"; do
 done
 
 PY=${PYTHON:-python3}
-APT_PACKAGES=(fuse3 libfuse2 libfuse3-dev pkg-config gcc libdeflate-dev zlib1g-dev libzstd-dev libxxhash-dev
+APT_PACKAGES=(fuse3 libfuse2 libfuse3-dev pkg-config gcc libdeflate-dev zlib1g-dev libzstd-dev libxxhash-dev libisal-dev
               zip unzip zstd tar util-linux strace libarchive-tools p7zip-full)
 # Debian splits venv's pip bootstrap (python3-venv) and the C headers (python3-dev) out of python3.
 "$PY" -c "import ensurepip, venv" >/dev/null 2>&1 || APT_PACKAGES+=(python3-venv)

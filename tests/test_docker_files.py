@@ -344,12 +344,14 @@ def test_dockerfile_stages_and_contents() -> None:
     final_run = " ".join(v for i, v in final if i == "RUN")
 
     # Builder: compiler and headers for the C accelerators, required to build.
-    for pkg in ("gcc", "pkg-config", "libdeflate-dev", "zlib1g-dev", "libzstd-dev", "libxxhash-dev"):
+    c_packages = ("gcc", "pkg-config", "libdeflate-dev", "zlib1g-dev", "libzstd-dev", "libxxhash-dev")
+    c_packages += ("libisal-dev",)
+    for pkg in c_packages:
         assert pkg in build.split(), pkg
     assert "CDMLFS_REQUIRE_NATIVE=1" in build
     assert '".[s3]"' in build
     # Runtime: FUSE user space and the libdeflate/libzstd runtimes, no compilers or headers.
-    assert {"fuse3", "libdeflate0", "libzstd1"} <= set(final_run.split())
+    assert {"fuse3", "libdeflate0", "libzstd1", "libisal2"} <= set(final_run.split())
     assert not re.search(r"\bgcc\b|-dev\b|build-essential", final_run)
     assert '"cdmlfs[s3]"' in final_run
     assert "--no-index" in final_run

@@ -83,8 +83,37 @@ def test_native_extension_is_built():
     if os.environ.get("CDMLFS_NATIVE", "").strip() != "0":
         assert inflate.backend() == (
             "native",
-            f"libdeflate {native.LIBDEFLATE_VERSION}, zlib {native.ZLIB_VERSION}",
+            f"libdeflate {native.LIBDEFLATE_VERSION}, zlib {native.ZLIB_VERSION},"
+            f" CRC-32 by {native.CRC32_BACKEND}",
         )
+
+
+def test_crc32_backend_is_isal_where_the_build_requires_it():
+    """ISA-L's CRC-32 is about 3x libdeflate's here; CI (CDMLFS_REQUIRE_NATIVE=1) must build with it,
+    in both extensions that check CRCs (the FUSE hot path too)."""
+    native = native_module()
+    fastpath = native_module("cdmlfs._fastpath")
+    assert native.CRC32_BACKEND in ("isa-l", "libdeflate")
+    assert fastpath.CRC32_BACKEND == native.CRC32_BACKEND
+    if os.environ.get("CDMLFS_REQUIRE_NATIVE") == "1":
+        assert native.CRC32_BACKEND == "isa-l"
+
+
+@pytest.mark.parametrize("offset", [0, 1, 3, 8])
+def test_native_crc32_equals_zlib_at_every_length_alignment_and_start(offset):
+    """Both CRC backends fold in wide blocks with a byte-wise head and tail: lengths around every
+    block size, odd alignments and continued CRCs must all give zlib's value."""
+    native = native_module()
+    rnd = random.Random(offset)
+    lengths = [*range(0, 300), 511, 512, 513, 1023, 1024, 1025, 4095, 4096, 4097, 65535, 65536, 65537]
+    lengths += [(1 << 20) + 13, (5 << 20) + 1]  # the second is past the GIL-free threshold
+    for n in lengths:
+        data = memoryview(rnd.randbytes(n + offset))[offset:]
+        for start in (0, 1, 0xFFFFFFFF, zlib.crc32(b"earlier bytes")):
+            assert native.crc32(data, start) == zlib.crc32(data, start), (n, start)
+    whole = rnd.randbytes(100_000)
+    cut = 33_333
+    assert native.crc32(whole[cut:], native.crc32(whole[:cut])) == zlib.crc32(whole)
 
 
 def _run_python(code: str, **env: str) -> str:
