@@ -404,7 +404,7 @@ def test_buffer_pool_recycles_only_unshared_buffers_and_reserves_them() -> None:
     assert pool.take() is None
     spare[1].release()
     pool.recycle([bytearray(1 * MiB) for _ in range(10)])
-    assert pool.recycled == 1 + pool.max_spares == 5  # at most a sixteenth of the cache, 4 parts
+    assert pool.recycled == 1 + pool.max_spares == 5  # at most MAX_SPARES parts (and an eighth of the cache)
     pool.close()
     assert cache.reserved == 0
     pool.recycle([bytearray(1 * MiB)])  # a read finishing after close keeps nothing back
@@ -414,6 +414,31 @@ def test_buffer_pool_recycles_only_unshared_buffers_and_reserves_them() -> None:
 
 def test_small_cache_gets_no_spare_buffers() -> None:
     assert not BufferPool(ExtentCache(16 * MiB), 2 * MiB).enabled
+
+
+def test_a_long_scan_receives_almost_every_part_into_a_recycled_buffer() -> None:
+    """The default geometry scaled down (a cache 32 parts large): a window refill takes two parts at
+    once while drop-behind gives back one at a time. With room for only two spares, a scan let a
+    buffer go about every sixth part and allocated a fresh one (page faults and zeroing of a whole
+    part, a quarter of the client's CPU when it was every part)."""
+    part = 256 * KiB
+    data = random.Random(21).randbytes(256 * part)
+    ra = ReadaheadConfig(max_window=4 * part)  # 64 MiB windows of 16 MiB parts, in a 512 MiB cache
+    layer, remote, cache = make(
+        data, cache_limit=32 * part, part_size=part, into=True, latency=0.0005, readahead=ra
+    )
+    buf = bytearray(part // 16)
+    for off in range(0, len(data), len(buf)):
+        layer.read_into(off, buf)
+        assert buf == data[off : off + len(buf)]
+    stats = layer.stats
+    full_parts = stats.prefetched_bytes // part
+    fresh = full_parts - stats.buffers_reused
+    assert full_parts > 200
+    # The first window's parts are fresh (nothing was dropped yet); past them, next to none.
+    assert fresh <= layer.readahead.max_window // part + 4, stats.as_dict()
+    layer.close()
+    assert cache.reserved == 0
 
 
 def test_scan_into_recycled_buffers_with_a_lagging_reader_is_byte_exact() -> None:

@@ -16,7 +16,10 @@ reference count says so, and such a buffer is simply left to the allocator.
 
 Bound: every spare holds a reservation of its size in the shared cache, so
 held + reserved + spares never exceed the cache limit; spares are capped at a
-few parts and at a sixteenth of the cache.
+few parts and at an eighth of the cache. (A sixteenth, two 16 MiB parts with
+the default 512 MiB cache, was too few: a window refill takes two parts at once
+while drop-behind returns one at a time, and a 1 GiB scan let 8-13 buffers go
+and allocated as many fresh ones; with four, 1-2.)
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class BufferPool:
     def __init__(self, cache: ExtentCache, size: int, max_spares: int = MAX_SPARES) -> None:
         self.cache = cache
         self.size = size
-        self.max_spares = max(0, min(max_spares, cache.limit // 16 // max(size, 1)))
+        self.max_spares = max(0, min(max_spares, cache.limit // 8 // max(size, 1)))
         self._spares: list[tuple[bytearray, Reservation]] = []
         self._lock = threading.Lock()
         self._closed = False
