@@ -16,10 +16,11 @@ reference count says so, and such a buffer is simply left to the allocator.
 
 Bound: every spare holds a reservation of its size in the shared cache, so
 held + reserved + spares never exceed the cache limit; spares are capped at a
-few parts and at an eighth of the cache. (A sixteenth, two 16 MiB parts with
-the default 512 MiB cache, was too few: a window refill takes two parts at once
-while drop-behind returns one at a time, and a 1 GiB scan let 8-13 buffers go
-and allocated as many fresh ones; with four, 1-2.)
+few parts and at an eighth of the cache, and a cache of fewer than 16 parts
+keeps none. (A sixteenth, two 16 MiB parts with the default 512 MiB cache, was
+too few: a window refill takes two parts at once while drop-behind returns one
+at a time, and a 1 GiB scan let 8-13 buffers go and allocated as many fresh
+ones; with four, 1-2.)
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ class BufferPool:
     def __init__(self, cache: ExtentCache, size: int, max_spares: int = MAX_SPARES) -> None:
         self.cache = cache
         self.size = size
-        self.max_spares = max(0, min(max_spares, cache.limit // 8 // max(size, 1)))
+        room = cache.limit // 8 // max(size, 1)
+        # A cache of fewer than 16 parts keeps none: one spare would be a large share of it.
+        self.max_spares = max(0, min(max_spares, room)) if room >= 2 else 0
         self._spares: list[tuple[bytearray, Reservation]] = []
         self._lock = threading.Lock()
         self._closed = False
