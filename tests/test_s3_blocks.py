@@ -437,6 +437,7 @@ def test_a_long_scan_receives_almost_every_part_into_a_recycled_buffer() -> None
     assert full_parts > 200
     # The first window's parts are fresh (nothing was dropped yet); past them, next to none.
     assert fresh <= layer.readahead.max_window // part + 4, stats.as_dict()
+    assert remote.bound_violations == 0  # the spares' reservations keep the scan within the cache
     layer.close()
     assert cache.reserved == 0
 
