@@ -48,8 +48,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from mountutil import force_unmount, is_mounted, mounted  # noqa: E402
-from ratarmount_venv import DEFAULT_VENV, ensure_ratarmount  # noqa: E402 (scripts/, this file's directory)
+from mountutil import mounted  # noqa: E402
+from ratarmount_venv import DEFAULT_VENV, ForegroundMount, ensure_ratarmount  # noqa: E402 (scripts/, this file's directory)
 from s3util import DUMMY_ENV, FaultProxy, dummy_credentials, start_localbucket  # noqa: E402
 
 MiB = 1 << 20
@@ -121,47 +121,18 @@ def cdmlfs_random(proxy: FaultProxy, names: list[str], work: Path) -> dict:
 
 def ratarmount_random(ratarmount: str, proxy: FaultProxy, names: list[str], work: Path) -> dict:
     proxy.reset_stats()
-    mnt = work / "mnt-ratarmount"
-    mnt.mkdir(exist_ok=True)
     index_dir = work / "ratarmount-index"
     shutil.rmtree(index_dir, ignore_errors=True)
     index_dir.mkdir()
     env = {**os.environ, **DUMMY_ENV, "FSSPEC_S3_ENDPOINT_URL": proxy.url}
-    log = open(work / "ratarmount.log", "ab")  # noqa: SIM115 (closed below)
-    started = time.perf_counter()
-    proc = subprocess.Popen(
-        [ratarmount, "-f", "--index-folders", str(index_dir), f"s3://{BUCKET}/{KEY}", str(mnt)],
-        env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        while not is_mounted(mnt):
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"ratarmount exited with {proc.returncode} (see {work / 'ratarmount.log'})"
-                )
-            if time.perf_counter() - started > 900:
-                raise RuntimeError("ratarmount did not mount within 900 s")
-            time.sleep(0.05)
-        while True:  # mounted once the root lists
-            try:
-                os.listdir(mnt)
-                break
-            except OSError:
-                time.sleep(0.05)
-        mount_s = time.perf_counter() - started
+    mnt = work / "mnt-ratarmount"
+    cmd = [ratarmount, "-f", "--index-folders", str(index_dir), f"s3://{BUCKET}/{KEY}", str(mnt)]
+    with ForegroundMount(cmd, mnt, work / "ratarmount.log", env=env, timeout=900) as server:
         mount_bytes, mount_reqs = proxy.stats.body_bytes, proxy.stats.requests
         proxy.reset_stats()
         read_s, got = read_members(mnt, names)
         read_bytes, read_reqs = proxy.stats.body_bytes, proxy.stats.requests
-    finally:
-        force_unmount(mnt)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-    return {"mount_s": mount_s, "mount_bytes": mount_bytes, "mount_requests": mount_reqs,
+    return {"mount_s": server.mount_s, "mount_bytes": mount_bytes, "mount_requests": mount_reqs,
             "read_s": read_s, "read_bytes": read_bytes, "read_requests": read_reqs, "got": got}  # fmt: skip
 
 
@@ -253,7 +224,9 @@ def main() -> int:
     args = ap.parse_args()
     work: Path = args.workdir
     work.mkdir(parents=True, exist_ok=True)
-    data = work / "data.zip"
+    # Named by what it holds: a file built for other sizes (say --small 1000 in a quick run, where
+    # 100 random members are a tenth of them) is never measured as the default one.
+    data = work / f"data-{args.big_mib}MiB-{args.small}x2048.zip"
     build_zip(data, args.big_mib * MiB, args.small, 2048)
     smalls, cd_size, big_at, big_size = zip_layout(data)
     print(f"object: {data.stat().st_size / 2**30:.2f} GiB, {len(smalls) + 1} members, "
@@ -270,7 +243,7 @@ def main() -> int:
             if "random" not in args.skip:
                 bench_random(args, server, smalls, cd_size, work)
             if "sequential" not in args.skip:
-                bench_sequential(args, server, big_at, big_size, work)
+                bench_sequential(args, server, data, big_at, big_size, work)
             if "parallel" not in args.skip:
                 bench_parallel(args, server, smalls, work)
         finally:
@@ -356,7 +329,7 @@ def bench_random(args, server, smalls, cd_size: int, work: Path) -> None:
         )
 
 
-def bench_sequential(args, server, big_at: int, big_size: int, work: Path) -> None:
+def bench_sequential(args, server, data: Path, big_at: int, big_size: int, work: Path) -> None:
     print(
         f"\n== sequential read of the {big_size / 2**30:.2f} GiB member, {args.rounds} rounds"
         " (direct to the endpoint, no proxy) =="
@@ -380,7 +353,7 @@ def bench_sequential(args, server, big_at: int, big_size: int, work: Path) -> No
         for name in runs:
             # The object in page cache before every contender (S3 serves from RAM; this VM pages
             # idle cache out, and the random-members part ran minutes before this one).
-            subprocess.run(["cat", str(work / "data.zip")], stdout=subprocess.DEVNULL, check=True)
+            subprocess.run(["cat", str(data)], stdout=subprocess.DEVNULL, check=True)
             srv0 = process_cpu(server.proc.pid)  # the endpoint is idle outside the timed reads
             if name.startswith("raw"):
                 workers, part = (int(x) for x in name.split()[-1].removesuffix("MiB").split("x"))

@@ -57,7 +57,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 from mountutil import await_exit  # noqa: E402 (tests/, the path fix above)
-from ratarmount_venv import DEFAULT_VENV, ensure_ratarmount  # noqa: E402 (scripts/, this file's directory)
+from ratarmount_venv import DEFAULT_VENV, ForegroundMount, ensure_ratarmount  # noqa: E402 (scripts/, this file's directory)
 
 from cdmlfs.mountpoints import is_mounted  # noqa: E402 (after the path fix above)
 from cdmlfs.statsio import read as mount_stats  # noqa: E402
@@ -127,7 +127,7 @@ class Mount:
         self.index_dir = index_dir  # an on-disk index read during the rounds: warmed as well
         self.foreground = foreground
         self.pid_file = pid_file
-        self._proc: subprocess.Popen | None = None
+        self._server: ForegroundMount | None = None
         self._pid: int | None = None
 
     def __enter__(self) -> Path:
@@ -136,20 +136,13 @@ class Mount:
             for index_file in self.index_dir.iterdir():
                 if index_file.is_file() and self.archive.name in index_file.name:
                     warm(index_file)
+        if self.foreground:
+            log = self.mnt.parent / f"{self.mnt.name}.log"
+            self._server = ForegroundMount(self.cmd, self.mnt, log, timeout=600)
+            self._server.__enter__()
+            return self.mnt
         self.mnt.mkdir(parents=True, exist_ok=True)
         unmount(self.mnt)
-        if self.foreground:
-            self._proc = subprocess.Popen(
-                self.cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-            )
-            deadline = time.monotonic() + 600
-            while not (is_mounted(self.mnt) and _lists(self.mnt)):
-                if self._proc.poll() is not None or time.monotonic() > deadline:
-                    err = self._proc.communicate()[1].decode(errors="replace") if self._proc.poll() else ""
-                    self._stop()
-                    raise RuntimeError(f"mount failed: {' '.join(self.cmd)}\n{err}")
-                time.sleep(0.02)
-            return self.mnt
         res = subprocess.run(self.cmd, capture_output=True, text=True)
         if res.returncode != 0 or not is_mounted(self.mnt):
             raise RuntimeError(f"mount failed: {' '.join(self.cmd)}\n{res.stderr}")
@@ -158,29 +151,14 @@ class Mount:
         return self.mnt
 
     def __exit__(self, *exc: object) -> None:
+        if self._server is not None:  # unmounts, then waits for the server (30 s, then kills it)
+            self._server.__exit__()
+            self._server = None
+            return
         unmount(self.mnt)
-        self._stop()
-
-    def _stop(self) -> None:
-        """Wait for the server to exit (30 s at most, then kill it)."""
-        if self._proc is not None:
-            try:
-                self._proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-            self._proc = None
         if self._pid is not None:
             await_exit(self._pid, 30)
             self._pid = None
-
-
-def _lists(mnt: Path) -> bool:
-    try:
-        os.listdir(mnt)
-        return True
-    except OSError:
-        return False
 
 
 def cdmlfs_mount(archive: Path, mnt: Path, index_dir: Path, *extra: str) -> Mount:

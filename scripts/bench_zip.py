@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 from mountutil import await_exit  # noqa: E402 (tests/, the path fix above)
-from ratarmount_venv import DEFAULT_VENV, ensure_ratarmount  # noqa: E402 (scripts/, this file's directory)
+from ratarmount_venv import DEFAULT_VENV, ForegroundMount, ensure_ratarmount  # noqa: E402 (scripts/, this file's directory)
 
 from cdmlfs.mountpoints import is_mounted  # noqa: E402 (after the path fix above)
 
@@ -146,39 +146,20 @@ class RatarmountMount:
 
     def __init__(self, archive: Path, mnt: Path) -> None:
         self.archive, self.mnt = archive, mnt
-        self.proc: subprocess.Popen | None = None
+        cmd = [str(RATARMOUNT_VENV / "bin" / "ratarmount"), "-f", str(archive), str(mnt)]
+        self.server = ForegroundMount(cmd, mnt, mnt.parent / "ratarmount.log", timeout=600)
 
     def __enter__(self) -> RatarmountMount:
-        self.mnt.mkdir(parents=True, exist_ok=True)
-        unmount(self.mnt)
-        t = time.perf_counter()
-        log = self.mnt.parent / "ratarmount.log"  # a file: warnings filling a pipe would stall it
-        with open(log, "ab") as err:
-            self.proc = subprocess.Popen(
-                [str(RATARMOUNT_VENV / "bin" / "ratarmount"), "-f", str(self.archive), str(self.mnt)],
-                stdout=subprocess.DEVNULL, stderr=err,
-            )  # fmt: skip
-        deadline = time.monotonic() + 600
-        while not is_mounted(self.mnt):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"ratarmount failed: {log.read_text(errors='replace')[-2000:]}")
-            time.sleep(0.02)
-        os.listdir(self.mnt)
-        self.mount_s = time.perf_counter() - t
-        self.pid = self.proc.pid
+        self.server.__enter__()
+        self.mount_s = self.server.mount_s
+        self.pid = self.server.pid
         self.rss_after_mount = rss_mib(self.pid)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        unmount(self.mnt)
-        if self.proc is not None:
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        self.server.__exit__()
 
 
-# -- readers -------------------------------------------------------------------------
 def member_ranges(archive: Path) -> dict[str, tuple[int, int]]:
     """Where each member's local header and data are in the archive (a few bytes over: harmless)."""
     with zipfile.ZipFile(archive) as z:
