@@ -9,6 +9,7 @@ broken build fails there instead of silently testing the slow path.
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import subprocess
@@ -60,10 +61,11 @@ def _library_flags(package: str, fallback: str) -> tuple[list[str], list[str]]:
     return cflags, libs
 
 
+@functools.cache  # asked once per build, not once per extension (one warning)
 def _isal_flags() -> tuple[list[str], list[str]] | None:
     """ISA-L's flags for the CRC-32 of _native and _fastpath (native/crc32.h), or None without it.
 
-    ISA-L is optional: libdeflate's CRC-32 gives the same values, about 3x slower. With
+    ISA-L is optional: libdeflate's CRC-32 gives the same values, up to 3x slower. With
     CDMLFS_REQUIRE_NATIVE=1 (CI, the Docker image) it is required, so that a missing
     libisal-dev fails the build instead of quietly measuring the slower CRC.
     """
@@ -72,7 +74,7 @@ def _isal_flags() -> tuple[list[str], list[str]] | None:
     if cflags is None or libs is None:
         if REQUIRE_NATIVE:
             raise SystemExit("CDMLFS_REQUIRE_NATIVE=1, but pkg-config does not know libisal (libisal-dev)")
-        _warn("pkg-config does not know libisal (Debian: libisal-dev): CRC-32 by libdeflate, 3x slower")
+        _warn("pkg-config does not know libisal (Debian: libisal-dev): CRC-32 by libdeflate, slower")
         return None
     return cflags, libs
 

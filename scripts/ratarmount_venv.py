@@ -83,7 +83,9 @@ class ForegroundMount:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"{self.cmd[0]} exited with {self.proc.returncode}: {self._tail()}")
                 if time.perf_counter() - started > self.timeout:
-                    raise RuntimeError(f"{self.cmd[0]} did not mount within {self.timeout:.0f} s")
+                    raise RuntimeError(
+                        f"{self.cmd[0]} did not mount within {self.timeout:.0f} s: {self._tail()}"
+                    )
                 time.sleep(0.02)
         except BaseException:
             self.__exit__()
@@ -92,8 +94,15 @@ class ForegroundMount:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from mountutil import force_unmount
+        from mountutil import force_unmount, is_mounted
 
+        # Politely first, for a while: a mount still busy for a moment (a reader's last close)
+        # refuses; a lazy unmount would leave the server serving the detached mount until killed.
+        for _ in range(50):
+            if not is_mounted(self.mnt):
+                break
+            subprocess.run(["fusermount3", "-u", str(self.mnt)], capture_output=True)
+            time.sleep(0.05)
         force_unmount(self.mnt)
         if self.proc is not None:
             try:

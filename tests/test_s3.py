@@ -229,7 +229,7 @@ def test_long_scan_receives_into_recycled_buffers_over_kept_alive_connections(
     data = random.Random(6).randbytes(96 * MiB)
     _stored_zip_on(localbucket_s3, "bench", "scan.zip", tmp_path, {"large.bin": data})
     proxy = proxy_to(localbucket_s3)
-    # The default cache (512 MiB): 16 MiB parts and two spares (a sixteenth of the cache); 12 parts.
+    # The default cache (512 MiB): 16 MiB parts and four spares (an eighth of the cache); 6 parts.
     with Archive("s3://bench/scan.zip", endpoint_url=proxy.url) as remote:
         proxy.reset_stats()
         for _ in range(2):  # the second pass reuses what the first one dropped behind

@@ -12,7 +12,7 @@ import pytest
 from cdmlfs.cache import ExtentCache
 from cdmlfs.errors import SourceError
 from cdmlfs.sources.blocks import BlockConfig, BlockLayer
-from cdmlfs.sources.buffers import BufferPool
+from cdmlfs.sources.buffers import MAX_SPARES, BufferPool
 from cdmlfs.sources.readahead import ReadaheadConfig
 
 KiB = 1 << 10
@@ -38,8 +38,11 @@ class FakeRemote:
             self.calls.append((start, end))
             self.active += 1
             self.max_active = max(self.max_active, self.active)
-            if self.cache is not None and self.cache.held + self.cache.reserved > self.cache.limit:
-                self.bound_violations += 1
+            if self.cache is not None:
+                with self.cache._lock:  # one snapshot: held and reserved move together on a commit
+                    over = self.cache.held + self.cache.reserved > self.cache.limit
+                if over:
+                    self.bound_violations += 1
             fail = start in self.fail
             self.fail.discard(start)
         try:
@@ -422,7 +425,7 @@ def test_a_long_scan_receives_almost_every_part_into_a_recycled_buffer() -> None
     buffer go about every sixth part and allocated a fresh one (page faults and zeroing of a whole
     part, a quarter of the client's CPU when it was every part)."""
     part = 256 * KiB
-    data = random.Random(21).randbytes(256 * part)
+    data = random.Random(21).randbytes(512 * part)
     ra = ReadaheadConfig(max_window=4 * part)  # 64 MiB windows of 16 MiB parts, in a 512 MiB cache
     layer, remote, cache = make(
         data, cache_limit=32 * part, part_size=part, into=True, latency=0.0005, readahead=ra
@@ -434,9 +437,10 @@ def test_a_long_scan_receives_almost_every_part_into_a_recycled_buffer() -> None
     stats = layer.stats
     full_parts = stats.prefetched_bytes // part
     fresh = full_parts - stats.buffers_reused
-    assert full_parts > 200
-    # The first window's parts are fresh (nothing was dropped yet); past them, next to none.
-    assert fresh <= layer.readahead.max_window // part + 4, stats.as_dict()
+    assert full_parts > 400
+    # The first window's parts are fresh (nothing was dropped yet), and a few more while the
+    # pool fills (measured: 8-9); past them, next to none. The old policy: 47-85.
+    assert fresh <= layer.readahead.max_window // part + MAX_SPARES + 4, stats.as_dict()
     assert remote.bound_violations == 0  # the spares' reservations keep the scan within the cache
     layer.close()
     assert cache.reserved == 0
