@@ -57,7 +57,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 from mountutil import await_exit  # noqa: E402 (tests/, the path fix above)
-from ratarmount_venv import DEFAULT_VENV, ForegroundMount, ensure_ratarmount  # noqa: E402 (scripts/, this file's directory)
+from ratarmount_venv import DEFAULT_VENV, ForegroundMount, ensure_ratarmount, unmount  # noqa: E402 (scripts/, this file's directory)
 
 from cdmlfs.mountpoints import is_mounted  # noqa: E402 (after the path fix above)
 from cdmlfs.statsio import read as mount_stats  # noqa: E402
@@ -98,15 +98,6 @@ def make_tar(path: Path, n_files: int, seed: int = 0) -> tuple[int, int]:
 
 
 # -- mounts ---------------------------------------------------------------------------------
-def unmount(path: Path) -> None:
-    for _ in range(50):
-        if not is_mounted(path):
-            return
-        subprocess.run(["fusermount3", "-u", str(path)], capture_output=True)
-        time.sleep(0.05)
-    subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True)
-
-
 class Mount:
     """One tool's mount for one round. ``foreground``: the command serves until unmounted (run with
     Popen); else it daemonises and writes its pid to ``pid_file``. Either way the next round starts

@@ -39,9 +39,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 from mountutil import await_exit  # noqa: E402 (tests/, the path fix above)
-from ratarmount_venv import DEFAULT_VENV, ForegroundMount, ensure_ratarmount  # noqa: E402 (scripts/, this file's directory)
-
-from cdmlfs.mountpoints import is_mounted  # noqa: E402 (after the path fix above)
+from ratarmount_venv import DEFAULT_VENV, ForegroundMount, ensure_ratarmount, unmount  # noqa: E402 (scripts/, this file's directory)
 
 RATARMOUNT_VENV = Path(os.environ.get("RATARMOUNT_VENV", DEFAULT_VENV))
 
@@ -93,18 +91,6 @@ def extract(zip_path: Path, dest: Path) -> None:
 
 
 # -- mounts --------------------------------------------------------------------------
-def unmount(path: Path) -> None:
-    cmds = (["fusermount3", "-u", str(path)], ["fusermount", "-u", str(path)], ["umount", "-l", str(path)])
-    for cmd in cmds:
-        if not is_mounted(path):
-            return
-        subprocess.run(cmd, capture_output=True)
-        for _ in range(100):
-            if not is_mounted(path):
-                return
-            time.sleep(0.02)
-
-
 def rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:

@@ -68,10 +68,10 @@ class ForegroundMount:
         self.mount_s = float("nan")
 
     def __enter__(self) -> ForegroundMount:
-        from mountutil import force_unmount, is_mounted
+        from mountutil import is_mounted
 
         self.mnt.mkdir(parents=True, exist_ok=True)
-        force_unmount(self.mnt)
+        unmount(self.mnt)
         started = time.perf_counter()
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
@@ -94,16 +94,7 @@ class ForegroundMount:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from mountutil import force_unmount, is_mounted
-
-        # Politely first, for a while: a mount still busy for a moment (a reader's last close)
-        # refuses; a lazy unmount would leave the server serving the detached mount until killed.
-        for _ in range(50):
-            if not is_mounted(self.mnt):
-                break
-            subprocess.run(["fusermount3", "-u", str(self.mnt)], capture_output=True)
-            time.sleep(0.05)
-        force_unmount(self.mnt)
+        unmount(self.mnt)
         if self.proc is not None:
             try:
                 self.proc.wait(30)
@@ -117,6 +108,23 @@ class ForegroundMount:
             return self.log.read_text(errors="replace")[-2000:]
         except OSError:
             return f"(no log at {self.log})"
+
+
+def unmount(mnt: Path) -> None:
+    """Unmount whatever serves ``mnt`` (the benchmarks' mounts, ours and ratarmount's).
+
+    Politely first, for a while: a mount still busy for a moment (a reader's last close) refuses,
+    and a lazy unmount would leave its server serving the detached mount until killed. Then
+    mountutil's last resorts. The benchmarks put tests/ on sys.path for mountutil.
+    """
+    from mountutil import force_unmount, is_mounted
+
+    for _ in range(50):
+        if not is_mounted(mnt):
+            return
+        subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True)
+        time.sleep(0.05)
+    force_unmount(mnt)
 
 
 def _lists(mnt: Path) -> bool:
