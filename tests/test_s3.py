@@ -118,7 +118,13 @@ def test_uri_parsing() -> None:
     assert "123" not in str(info.value) and "credentials" in str(info.value)
 
 
-def test_zip_on_moto_equals_local_and_opens_with_one_request(moto_s3, proxy_to, tmp_path: Path) -> None:
+def test_zip_on_moto_equals_local_and_opens_with_one_request(
+    moto_s3, proxy_to, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The open waits HEAD_WAIT (1 s) for the first 4 KiB; moto on a busy machine can be slower, and
+    # the sniffing then asks again. That cut-off has its own test (a stalled prefetch of the first
+    # bytes); this one counts requests.
+    monkeypatch.setattr(s3mod, "HEAD_WAIT", 30.0)
     path = _small_zip(tmp_path)
     etag = moto_s3.put("api", "dir/a.zip", path)
     proxy = proxy_to(moto_s3)
@@ -559,6 +565,7 @@ def test_reads_queued_behind_stalled_requests_still_end_by_the_deadline(
             took.append((time.monotonic() - started, outcome))
 
     try:
+        proxy.reset_stats()
         proxy.inject("stall", 10_000)
         readers = [threading.Thread(target=read, args=(i,)) for i in range(32)]  # 8 foreground workers
         for t in readers:
@@ -569,7 +576,12 @@ def test_reads_queued_behind_stalled_requests_still_end_by_the_deadline(
         slowest = max(t for t, _ in took)
         # The deadline, one attempt under way at it (its read timeout), and slack for a busy machine.
         assert slowest < policy.deadline + 1.0 + 1.5, sorted(took)
-        assert any("waiting for a free connection" in why for _, why in took), took
+        assert all(why != "read" for _, why in took)
+        # The first 8 reads make two 1 s attempts each; a queued read starts with its budget (about)
+        # spent: no request ("waiting for a free connection") or one with what is left. Given a whole
+        # deadline of its own, each made two more (64 in all). (Which of the two a queued read gets
+        # is a race between the reader threads' start and a worker's hand-off: not asserted.)
+        assert proxy.stats.requests <= 8 * 2 + 24 + 4, (proxy.stats.requests, took)
         proxy.clear()
         assert src.read_at(5 * MiB, 100) == blob.read_bytes()[5 * MiB : 5 * MiB + 100]
     finally:
@@ -1118,7 +1130,8 @@ def test_presigned_urls_are_tried_again_after_a_while(
     object for RETRY_AFTER seconds, then presigned URLs are tried again."""
     from cdmlfs.sources import s3_presigned
 
-    monkeypatch.setattr(s3_presigned, "RETRY_AFTER", 0.5)
+    # Long enough that a stalled test machine cannot end the window early; ended by hand below.
+    monkeypatch.setattr(s3_presigned, "RETRY_AFTER", 60.0)
     path, (first, second, third) = _spread_members(localbucket_s3, tmp_path, "again.zip")
     proxy = proxy_to(localbucket_s3)
     proxy.quirks.add("refuse_query_auth")
@@ -1132,7 +1145,8 @@ def test_presigned_urls_are_tried_again_after_a_while(
         proxy.quirks.discard("refuse_query_auth")
         assert remote.read(second) == local.read(second)
         assert gets.sent == 2  # within RETRY_AFTER: the SDK
-        time.sleep(0.6)
+        assert gets._sdk_until > time.monotonic() + 30
+        gets._sdk_until = time.monotonic() - 0.001  # RETRY_AFTER has passed
         assert remote.read(third) == local.read(third)
         assert gets.refused is None and gets.sent == 3
 
@@ -1201,10 +1215,14 @@ def test_one_stalled_request_is_retried_within_a_short_deadline(
         assert 1.4 < time.monotonic() - started < 3.0
 
 
-def test_a_range_that_gave_up_fails_at_once_for_a_moment(localbucket_s3, proxy_to, tmp_path: Path) -> None:
+def test_a_range_that_gave_up_fails_at_once_for_a_moment(
+    localbucket_s3, proxy_to, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The kernel asks again at once for the pages of a read that failed, and each ask had a whole
     retry budget: a mount read took twice --read-deadline. For a second the same range fails at once
     (same reason); then it is asked again, and works once the server does."""
+    # The moment lasts long enough here that a stalled test machine cannot end it early.
+    monkeypatch.setattr(s3mod, "FAILED_RANGE_MEMORY", 30.0)
     path = _small_zip(tmp_path, "again.zip")
     localbucket_s3.put("faults", "again.zip", path)
     proxy = proxy_to(localbucket_s3)
@@ -1220,9 +1238,10 @@ def test_a_range_that_gave_up_fails_at_once_for_a_moment(localbucket_s3, proxy_t
         started = time.monotonic()
         with pytest.raises(SourceError, match="not asked again yet"):
             remote.read("big/stored.bin", 50, 100)
-        assert time.monotonic() - started < 0.5 and proxy.stats.requests == asked
+        assert time.monotonic() - started < 2.0 and proxy.stats.requests == asked
         proxy.clear()
-        time.sleep(s3mod.FAILED_RANGE_MEMORY + 0.1)
+        monkeypatch.setattr(s3mod, "FAILED_RANGE_MEMORY", 0.01)  # the moment is over
+        time.sleep(0.05)
         assert remote.read("big/stored.bin", 0, 100) == local.read("big/stored.bin", 0, 100)
 
 
