@@ -230,8 +230,11 @@ def test_sequential_read_of_a_large_member_prefetches_in_parallel(
 
 
 def test_long_scan_receives_into_recycled_buffers_over_kept_alive_connections(
-    localbucket_s3, proxy_to, tmp_path: Path
+    localbucket_s3, proxy_to, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Parts received before the reader gets there (open bodies off: ``read`` callers, too many
+    bodies open, or CDMLFS_S3_OPEN_BODIES=0) go into recycled buffers."""
+    monkeypatch.setenv("CDMLFS_S3_OPEN_BODIES", "0")
     data = random.Random(6).randbytes(96 * MiB)
     _stored_zip_on(localbucket_s3, "bench", "scan.zip", tmp_path, {"large.bin": data})
     proxy = proxy_to(localbucket_s3)
@@ -253,6 +256,48 @@ def test_long_scan_receives_into_recycled_buffers_over_kept_alive_connections(
         assert proxy.stats.requests >= 12
         assert proxy.stats.connections <= 16 + 2
     assert remote.cache.reserved == 0  # closing gave back the spares' reservations
+
+
+def test_a_scan_into_a_buffer_receives_replies_straight_into_it_even_with_faults(
+    localbucket_s3, proxy_to, tmp_path: Path
+) -> None:
+    """Prefetched replies stop at their headers and the reader receives each body into its own
+    buffer: no copy out of a part buffer. Connections cut, bodies truncated or stalled while they
+    wait: those bytes are fetched again (with If-Match), zero wrong bytes."""
+    data = random.Random(8).randbytes(96 * MiB)
+    _stored_zip_on(localbucket_s3, "bench", "open.zip", tmp_path, {"large.bin": data})
+    proxy = proxy_to(localbucket_s3, stall_seconds=1.0)
+
+    def scan(remote) -> None:
+        digest = hashlib.sha256()
+        with remote.open("large.bin") as f:
+            buf = bytearray(1 * MiB)
+            while n := f.readinto(buf):
+                digest.update(memoryview(buf)[:n])
+        assert digest.digest() == hashlib.sha256(data).digest()
+
+    with Archive("s3://bench/open.zip", endpoint_url=proxy.url) as remote:
+        proxy.reset_stats()
+        scan(remote)
+        stats = remote.source.stats()
+        assert stats["streamed_bytes"] >= len(data) - 16 * MiB, stats
+        assert stats["bodies_failed"] == 0
+        assert proxy.stats.body_bytes <= len(data) + 2 * MiB  # nothing fetched twice
+        assert proxy.stats.connections <= 16 + 2  # finished bodies hand their connection back
+    assert remote.source.stats()["get_requests"] > 0  # (closed: no body left open to leak)
+    with Archive(
+        "s3://bench/open.zip",
+        endpoint_url=proxy.url,
+        retry=FAST_RETRY,
+        read_timeout=0.5,
+    ) as remote:
+        proxy.inject("stall_body", 2)
+        proxy.chaos(0.3, ("reset", "truncate", "short", "503"))
+        scan(remote)
+        stats = remote.source.stats()
+        assert stats["bodies_opened"] >= 2 and stats["streamed_bytes"] > 0, stats
+        assert stats["bodies_failed"] >= 1, stats
+        assert proxy.stats.faults >= 3
 
 
 def test_large_and_sequential_reads_go_out_as_parallel_ranged_gets(
@@ -279,8 +324,9 @@ def test_large_and_sequential_reads_go_out_as_parallel_ranged_gets(
 
 
 def test_faults_during_a_long_scan_into_recycled_buffers_give_zero_wrong_bytes(
-    localbucket_s3, proxy_to, tmp_path: Path
+    localbucket_s3, proxy_to, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("CDMLFS_S3_OPEN_BODIES", "0")  # parts received into buffers (see above)
     data = random.Random(7).randbytes(80 * MiB)  # above the 64 MiB read-whole limit: a streamed scan
     _stored_zip_on(localbucket_s3, "faults", "faulty-scan.zip", tmp_path, {"large.bin": data})
     proxy = proxy_to(localbucket_s3, stall_seconds=1.0)

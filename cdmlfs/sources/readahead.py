@@ -47,7 +47,7 @@ class ReadaheadConfig:
 class Stream:
     """One sequential reader: where it is, how far ahead it has been served, how far to look."""
 
-    __slots__ = ("ahead", "first", "hits", "next", "prefetched", "window")
+    __slots__ = ("ahead", "first", "hits", "next", "prefetched", "shared", "window")
 
     def __init__(self, start: int, end: int) -> None:
         self.first = start  # where the stream began
@@ -56,6 +56,9 @@ class Stream:
         self.window = 0  # prefetch distance; set when the stream proves sequential
         self.hits = 1
         self.prefetched: deque = deque()  # spans prefetched for this stream (for drop-behind)
+        # Read by several threads at once, out of order (a multithreaded FUSE loop serving kernel
+        # readahead): its prefetches are received into buffers, not left as open bodies.
+        self.shared = False
 
 
 class StreamTable:

@@ -39,7 +39,7 @@ from cdmlfs import __version__, forksafe
 from cdmlfs.cache import ExtentCache
 from cdmlfs.errors import ArchiveNotFoundError, SourceChangedError, SourceError, UsageError
 from cdmlfs.sources.base import SourceIdentity
-from cdmlfs.sources.blocks import BlockConfig, BlockLayer
+from cdmlfs.sources.blocks import BlockConfig, BlockLayer, OpenBody
 from cdmlfs.sources.retry import RetryPolicy
 from cdmlfs.sources.s3_presigned import PresignedGets, guard_sdk_logs, hide_signature, prefer_sigv4
 from cdmlfs.sources.watchdog import WATCHDOG
@@ -258,6 +258,9 @@ class S3Object:
             prefetch_workers=max_connections - workers,
             request_budget=self.retry.deadline,
         )
+        # Large prefetches stay open bodies received straight into readers' buffers (blocks.py);
+        # CDMLFS_S3_OPEN_BODIES=0 receives them into buffers first (for comparison).
+        opens = os.environ.get("CDMLFS_S3_OPEN_BODIES", "1") != "0"
         self._blocks = BlockLayer(
             self._get_range,
             self.size,
@@ -265,6 +268,7 @@ class S3Object:
             config,
             name=self.location,
             fetch_into=self._get_range_into,
+            open_range=self._open_range if opens else None,
         )
         if tail:
             self._blocks.seed(tail_start, tail)
@@ -504,8 +508,14 @@ class S3Object:
         """Like ``_get_range``, received straight into ``out`` (the block layer's recycled buffers)."""
         self._ranged_get(start, end, since, lambda body: self._read_body_into(body, out))
 
-    def _ranged_get(self, start: int, end: int, since: float, consume):
-        """One ranged GET pinned to the opening ETag, checked, retried; ``consume(body)`` reads the body."""
+    def _open_range(self, start: int, end: int, since: float) -> OpenBody:
+        """Like ``_get_range``, but the body is left unread: the block layer's ``open_range``."""
+        n = end - start
+        return self._ranged_get(start, end, since, lambda body: _OpenReply(self, body, n), keep=True)
+
+    def _ranged_get(self, start: int, end: int, since: float, consume, keep: bool = False):
+        """One ranged GET pinned to the opening ETag, checked, retried; ``consume(body)`` reads the body
+        (with ``keep``, whatever it returns reads it later: the body is not closed here)."""
         if self._changed:
             raise SourceChangedError(self._changed)
         self._fail_if_failed_lately(start, end)
@@ -522,6 +532,7 @@ class S3Object:
                 self._classify(exc, opening=False)
                 raise
             body = resp["Body"]
+            kept = False
             try:
                 etag = resp.get("ETag")
                 if not etag:  # without it, a server that ignores If-Match could mix versions unseen
@@ -543,11 +554,15 @@ class S3Object:
                 length = resp.get("ContentLength")
                 if length is not None and length != n:  # readinto stops at n: never accept more
                     raise _Transient(f"asked for {n} bytes, the reply says {length}")
+                if keep:
+                    kept = True
+                    return consume(body)
                 # A body dripping in never ends otherwise.
                 with self._watchdog.guard(body, deadline, owner=self):
                     return consume(body)
             finally:
-                body.close()
+                if not kept:
+                    body.close()
 
         try:
             return self._with_retries(attempt, f"GET bytes={start}-{end - 1}", since)
@@ -615,7 +630,7 @@ class S3Object:
             raise _Transient(f"truncated body: {len(data)} of {n} bytes")
         return data
 
-    def _read_body_into(self, body, out: memoryview) -> None:
+    def _read_body_into(self, body, out: memoryview, release: bool = True) -> None:
         """Receive the body into ``out`` with no allocation and no copy beyond the socket's.
 
         botocore's body wraps urllib3's response, which wraps http.client's:
@@ -642,8 +657,8 @@ class S3Object:
         self.bytes_received += got
         if got != n:
             raise _Transient(f"truncated body: {got} of {n} bytes")
-        if fp.isclosed():  # the body ended where its length said: the connection can serve again
-            raw.release_conn()  # (closing the body without this would drop the connection)
+        if release and fp.isclosed():  # the body ended where its length said: the connection can serve
+            raw.release_conn()  # again (closing the body without this would drop the connection)
 
     def _with_retries(self, attempt, what: str, since: float | None = None):
         """``attempt(deadline)`` until it succeeds or the policy gives up (the deadline is the
@@ -782,6 +797,61 @@ class S3Object:
             self._changed = message
             log.error("%s", message)
         return SourceChangedError(message)
+
+
+class _OpenReply:
+    """A checked ranged reply whose body the block layer receives later, a piece at a time.
+
+    Each piece is received like a whole body (``_read_body_into``: straight into the
+    caller's buffer), within a read timeout of its own: the body may have waited for its
+    reader for a while, and a server that gave up on it meanwhile must fail the piece
+    quickly (the block layer then fetches those bytes again, with the read's retries).
+    Another HTTP stack than botocore's (no caller-buffer reads) has the body read whole at once.
+    """
+
+    __slots__ = ("_body", "_left", "_owner", "_whole")
+
+    def __init__(self, owner: S3Object, body, n: int) -> None:
+        self._owner = owner
+        self._body = body
+        self._left = n
+        fp = getattr(getattr(body, "_raw_stream", None), "_fp", None)
+        self._whole: memoryview | None = None
+        if fp is None or not hasattr(fp, "readinto"):
+            with owner._watchdog.guard(body, time.monotonic() + owner._timeouts[1], owner=owner):
+                self._whole = memoryview(owner._read_body(body, n))
+
+    def readinto(self, out: memoryview) -> None:
+        owner = self._owner
+        if owner._closed:
+            raise SourceError(f"{owner.location}: source closed during the read")
+        if len(out) > self._left:
+            raise SourceError(f"{owner.location}: internal error: {len(out)} bytes wanted, {self._left} left")
+        if self._whole is not None:
+            at = len(self._whole) - self._left
+            out[:] = self._whole[at : at + len(out)]
+            self._left -= len(out)
+            return
+        deadline = time.monotonic() + owner._timeouts[1]
+        try:
+            with owner._watchdog.guard(self._body, deadline, owner=owner):
+                owner._read_body_into(self._body, out, release=False)
+        except _Transient as exc:
+            raise SourceError(f"{owner.location}: {exc}") from None
+        self._left -= len(out)
+
+    def finish(self) -> None:
+        owner = self._owner
+        raw = getattr(self._body, "_raw_stream", None)
+        fp = getattr(raw, "_fp", None)
+        if not self._left and fp is not None and fp.isclosed() and hasattr(raw, "release_conn"):
+            raw.release_conn()  # read to its end: the connection can serve again
+        elif self._left:
+            log.debug("%s: an open body finished with %d bytes unread", owner.location, self._left)
+        self._body.close()
+
+    def close(self) -> None:
+        self._body.close()
 
 
 class _SessionRegistry:

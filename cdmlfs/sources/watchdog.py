@@ -86,7 +86,8 @@ class Watchdog:
             key = next(self._ids)
             self._live[key] = (sock, owner)
             heapq.heappush(self._heap, (deadline, key))
-            self._cv.notify()
+            if self._heap[0][1] == key:  # sooner than the thread waits for (else no wake-up per body)
+                self._cv.notify()
             return key
 
     def _run(self) -> None:
