@@ -784,3 +784,112 @@ def test_a_stream_read_by_threads_taking_turns_goes_back_to_buffered_prefetch() 
     assert st.prefetches >= 4 and st.bodies_opened <= 6, st.as_dict()
     layer.close()
     assert remote.open_bodies == 0
+
+
+def _an_open_body(layer: BlockLayer, size: int) -> tuple[int, int]:
+    """(start, end) of an open body at least ``size`` long, once a prefetch left one."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with layer._lock:
+            spans = sorted((sp.start, sp.end) for sp in layer._spans.values() if sp.body is not None)
+        spans = [(a, b) for a, b in spans if b - a >= size]
+        if spans:
+            return spans[0]
+        time.sleep(0.01)
+    raise AssertionError("no open body was left")
+
+
+def test_a_reader_holding_a_reservation_never_waits_on_an_open_prefetch_waiting_for_room() -> None:
+    """A decoder holds a cache reservation and reads compressed bytes a prefetch is fetching (its
+    reply's headers slow to come). Once they come, the body is received for that reader without
+    waiting on the cache: waiting there, it waited for the reader's own reservation, for ever."""
+    data = random.Random(40).randbytes(64 * MiB)
+    layer, remote, cache = make(data, cache_limit=64 * MiB, into=True, opens=True, part_size=4 * MiB)
+    gate, entered = threading.Event(), threading.Event()
+    target: list[tuple[int, int]] = []
+    opened = remote.open_range
+
+    def slow_open(start: int, end: int, since: float = 0.0) -> FakeBody:
+        if start >= 8 * MiB and not target:
+            target.append((start, end))
+            entered.set()
+            gate.wait(10)
+        return opened(start, end, since)
+
+    layer._open_range = slow_open
+    buf = bytearray(1 * MiB)
+    for off in range(0, 12 * MiB, 1 * MiB):
+        layer.read_into(off, buf)
+        if entered.is_set():
+            break
+    assert entered.wait(10)
+    start = target[0][0]
+    room = cache.hold(cache.limit - 256 * KiB)
+    got: list[bytes] = []
+    decoder = threading.Thread(target=lambda: got.append(layer.read(start + 100, 1000)), daemon=True)
+    decoder.start()
+    time.sleep(0.3)  # it waits for the span being fetched
+    gate.set()
+    decoder.join(10)
+    hung = decoder.is_alive()
+    room.release()
+    decoder.join(10)
+    assert not hung and got == [data[start + 100 : start + 1100]]
+    layer.close()
+    assert remote.open_bodies == 0
+
+
+def test_a_failing_cache_hook_after_a_body_was_received_fails_its_readers_not_hangs_them() -> None:
+    data = random.Random(41).randbytes(48 * MiB)
+    layer, remote, cache = make(data, into=True, opens=True, part_size=8 * MiB)
+    assert _scan_into(layer, 0, 8 * MiB, 256 * KiB) == data[: 8 * MiB]
+    start, _ = _an_open_body(layer, 4 * MiB)
+    put = cache.put
+
+    def failing_put(key, value) -> bool:
+        if isinstance(key, tuple) and key[1] == start:  # the bytes kept before the read: a hook fails
+            raise RuntimeError("cache hook failed")
+        return put(key, value)
+
+    cache.put = failing_put  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="hook failed"):
+        layer.read_into(start + 1 * MiB, bytearray(64 * KiB))
+    cache.put = put  # type: ignore[method-assign]
+    got: list[bytes] = []
+    later = threading.Thread(target=lambda: got.append(layer.read(start + 2 * MiB, 100)), daemon=True)
+    later.start()
+    later.join(10)
+    assert not later.is_alive() and got == [data[start + 2 * MiB : start + 2 * MiB + 100]]
+    with layer._lock:
+        assert not [sp for sp in layer._spans.values() if sp.state == 1 and sp.claimed]  # none owed
+    layer.close()
+    assert remote.open_bodies == 0 and layer._open == 0
+
+
+def test_an_interrupt_while_receiving_an_open_body_ends_the_read() -> None:
+    """Ctrl-C during a read of an open body is not a failed body to fetch again: it ends the read,
+    and nothing is left owed to other readers."""
+    data = random.Random(42).randbytes(48 * MiB)
+    layer, remote, _ = make(data, into=True, opens=True, part_size=8 * MiB)
+    assert _scan_into(layer, 0, 8 * MiB, 256 * KiB) == data[: 8 * MiB]
+    start, _ = _an_open_body(layer, 4 * MiB)
+    readinto = FakeBody.readinto
+    fired: list[int] = []
+
+    def interrupted(self, out) -> None:
+        if not fired:
+            fired.append(1)
+            raise KeyboardInterrupt
+        readinto(self, out)
+
+    FakeBody.readinto = interrupted  # type: ignore[method-assign]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            layer.read_into(start, bytearray(64 * KiB))
+    finally:
+        FakeBody.readinto = readinto  # type: ignore[method-assign]
+    buf = bytearray(3 * MiB)
+    layer.read_into(start, buf)
+    assert buf == data[start : start + 3 * MiB]
+    layer.close()
+    assert remote.open_bodies == 0 and layer._open == 0

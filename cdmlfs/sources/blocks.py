@@ -274,13 +274,16 @@ class BlockLayer:
         stream, ahead = self._streams.observe(offset, length, self.size)
         expand = self._probes.observe(offset, length)
         pieces, own, waits, claims = self._plan(offset, offset + length, expand, out is not None, stream)
-        self._submit([span for span, _ in own])
-        if ahead is not None:  # queue the prefetch before waiting: it overlaps with our own requests
-            # Open bodies only for a reader with a buffer of its own: one that wants ``bytes`` would
-            # have each piece received into a fresh buffer instead of prefetched parts.
-            self._prefetch(ahead[0], ahead[1], stream, opens=out is not None and not stream.shared)
-        direct = 0
         failed: BaseException | None = None
+        try:
+            self._submit([span for span, _ in own])
+            if ahead is not None:  # queue the prefetch before waiting: it overlaps with our own requests
+                # Open bodies only for a reader with a buffer of its own: one that wants ``bytes``
+                # would have each piece received into a fresh buffer instead of prefetched parts.
+                self._prefetch(ahead[0], ahead[1], stream, opens=out is not None and not stream.shared)
+        except BaseException as exc:
+            failed = exc
+        direct = 0
         for claim in claims:  # each one, whatever happens: others may wait for the spans it owns
             try:
                 direct += self._receive(claim, offset, out, began)
@@ -523,7 +526,9 @@ class BlockLayer:
         """Carry out a claim on this reader's thread; the bytes received into ``out``.
 
         ``since``: when the read began (a failed body's bytes are fetched again within the
-        read's deadline, counted from then)."""
+        read's deadline, counted from then). Whatever happens, the spans the claim owns are
+        settled and the body is finished, closed or handed on: readers may wait for them.
+        """
         body = claim.body
         stash = claim.stash
         got = None
@@ -537,35 +542,54 @@ class BlockLayer:
             if claim.hi > claim.direct:
                 assert out is not None
                 body.readinto(out[claim.direct - offset : claim.hi - offset])
-        except BaseException as exc:
-            log.debug(
-                "%s: open body at %d failed (%s): fetching its bytes again", self.name, claim.start, exc
-            )
+        except Exception as exc:
+            log.debug("%s: open body at %d failed (%s): fetched again", self.name, claim.start, exc)
             self.stats.bodies_failed += 1
             self._body_done(body, finished=False)
             return self._refetch(claim, offset, out, since)
-        if stash is not None:
-            self._commit(stash, got)
-            self.stats.stashed_bytes += len(got)
-        self.stats.streamed_bytes += claim.hi - claim.direct
+        except BaseException as exc:  # KeyboardInterrupt...: not a failed body, the read ends here
+            self._body_done(body, finished=False)
+            self._abandon(claim.stash, exc)
+            self._abandon(claim.rest, exc)
+            raise
         rest = claim.rest
-        if rest is None:
-            self._body_done(body, finished=True)
-            return claim.hi - claim.direct
-        with self._lock:
-            live = not self._closed and self._spans.get(rest.start) is rest
-            keep = live and not rest.waiters
-            if keep:
-                rest.state = OPEN
-                rest.body = body
-                rest.future = None  # nobody took it: no reader waits on it
-                rest.since = time.monotonic()
-        if not live:  # closed meanwhile: close() failed its readers already
+        try:
+            if stash is not None:
+                self._commit(stash, got)
+                self.stats.stashed_bytes += len(got)  # type: ignore[arg-type]
+            self.stats.streamed_bytes += claim.hi - claim.direct
+            if rest is None:
+                body, done = None, body
+                self._body_done(done, finished=True)
+                return claim.hi - claim.direct
+            with self._lock:
+                live = not self._closed and self._spans.get(rest.start) is rest
+                keep = live and not rest.waiters
+                if keep:
+                    rest.state = OPEN
+                    rest.body, body = body, None
+                    rest.future = None  # nobody took it: no reader waits on it
+                    rest.since = time.monotonic()
+        except BaseException as exc:
+            if body is not None:
+                self._body_done(body, finished=False)
+            self._abandon(stash, exc)
+            self._abandon(rest, exc)
+            raise
+        if body is not None and not live:  # closed meanwhile: close() failed its readers already
             self._body_done(body, finished=False)
             _settle(rest, exc=SourceError(f"{self.name}: source closed during the read"))
-        elif not keep:
-            self._fill(rest, body, hold=False)
+        elif body is not None:
+            self._fill(rest, body)  # readers wait for the rest: receive it for them
         return claim.hi - claim.direct
+
+    def _abandon(self, span: _Span | None, exc: BaseException) -> None:
+        """A span this thread owed its readers will not come: out of the index, its readers failed."""
+        if span is None:
+            return
+        with self._lock:
+            self._remove_if_indexed(span)
+        _settle(span, exc=exc)
 
     def _refetch(self, claim: _Claim, offset: int, out: memoryview | None, since: float) -> int:
         """A claim's body failed: fetch what this read and any waiting readers need, with retries."""
@@ -591,46 +615,51 @@ class BlockLayer:
                 if not wanted:
                     self._remove_if_indexed(span)
             if wanted:
-                self._run_foreground(span)
+                self._run_foreground(span)  # settles it, whatever happens
             else:
                 _settle(span, exc=SourceError(f"{self.name}: internal error: nobody waits for this span"))
 
-    def _fill(self, span: _Span, body: OpenBody, hold: bool) -> None:
+    def _fill(self, span: _Span, body: OpenBody) -> None:
         """Readers wait for the rest of an open body: receive it into a cached span for them.
 
-        ``hold``: wait for the cache to make room first (prefetch threads, as for any prefetch);
-        a reader's thread never waits on the cache (see the module docstring) and puts instead."""
+        Never waits on the cache (a waiting reader may hold a decode reservation: see the module
+        docstring): the bytes are put, as a foreground fetch's are, or only handed to the readers.
+        Settles the span and finishes or closes the body whatever happens.
+        """
         n = span.end - span.start
-        buffers = self._buffers if self._buffers is not None and n == self._buffers.size else None
-        spare = buffers.take() if buffers is not None else None
-        if spare is not None:
-            buf, room = spare
-        else:
-            room = self.cache.hold(n) if hold else None  # (hold() waits for room)
-            buf = bytearray(n)
+        room = None
         try:
+            buffers = self._buffers if self._buffers is not None and n == self._buffers.size else None
+            spare = buffers.take() if buffers is not None else None
+            if spare is not None:
+                buf, room = spare
+            else:
+                buf = bytearray(n)
             try:
                 body.readinto(memoryview(buf))
-            except BaseException as exc:
-                log.debug("%s: open body at %d failed (%s): fetching it again", self.name, span.start, exc)
+            except Exception as exc:
+                log.debug("%s: open body at %d failed (%s): fetched again", self.name, span.start, exc)
                 self.stats.bodies_failed += 1
-                self._body_done(body, finished=False)
-                body = None
+                body, failed = None, body
+                self._body_done(failed, finished=False)
                 if self._fetch_into is not None:
                     self._fetch_into(span.start, span.end, memoryview(buf), span.since)
                 else:
                     buf = self._fetch(span.start, span.end, span.since)
             if body is not None:
-                self._body_done(body, finished=True)
+                body, done = None, body
+                self._body_done(done, finished=True)
             if room is not None:
                 room.commit(span.key, buf)
                 self._commit(span, buf, cached=True)
             else:
                 self._commit(span, buf)
         except BaseException as exc:
-            with self._lock:
-                self._remove_if_indexed(span)
-            _settle(span, exc=exc)
+            if body is not None:
+                self._body_done(body, finished=False)
+            self._abandon(span, exc)
+            if not isinstance(exc, Exception):
+                raise
         finally:
             if room is not None:
                 room.release()
@@ -700,7 +729,7 @@ class BlockLayer:
         if not live:
             self._body_done(body, finished=False)
             return
-        self._fill(span, body, hold=True)  # a reader got there first and waits
+        self._fill(span, body)  # a reader got there first and waits
 
     def _close_open(self, span: _Span) -> None:
         """Caller holds the lock: an open body nobody will read is closed (outside the lock)."""

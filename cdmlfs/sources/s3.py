@@ -555,8 +555,9 @@ class S3Object:
                 if length is not None and length != n:  # readinto stops at n: never accept more
                     raise _Transient(f"asked for {n} bytes, the reply says {length}")
                 if keep:
-                    kept = True
-                    return consume(body)
+                    reply = consume(body)
+                    kept = True  # (not before: a consume that failed leaves the body to close here)
+                    return reply
                 # A body dripping in never ends otherwise.
                 with self._watchdog.guard(body, deadline, owner=self):
                     return consume(body)
@@ -799,14 +800,18 @@ class S3Object:
         return SourceChangedError(message)
 
 
+PIECE = 1 << 20  # an open body is received by the MiB, each within a read timeout
+
+
 class _OpenReply:
     """A checked ranged reply whose body the block layer receives later, a piece at a time.
 
     Each piece is received like a whole body (``_read_body_into``: straight into the
-    caller's buffer), within a read timeout of its own: the body may have waited for its
-    reader for a while, and a server that gave up on it meanwhile must fail the piece
-    quickly (the block layer then fetches those bytes again, with the read's retries).
-    Another HTTP stack than botocore's (no caller-buffer reads) has the body read whole at once.
+    caller's buffer), each MiB of it within a read timeout of its own: the body may have
+    waited for its reader for a while, and a server that gave up on it meanwhile must fail
+    the piece quickly (the block layer then fetches those bytes again, with the read's
+    retries). Another HTTP stack than botocore's (no caller-buffer reads) has the body read
+    whole at once: up to max_open parts (8 x 16 MiB) outside the cache; none is known.
     """
 
     __slots__ = ("_body", "_left", "_owner", "_whole")
@@ -815,9 +820,10 @@ class _OpenReply:
         self._owner = owner
         self._body = body
         self._left = n
-        fp = getattr(getattr(body, "_raw_stream", None), "_fp", None)
+        raw = getattr(body, "_raw_stream", None)
+        fp = getattr(raw, "_fp", None)
         self._whole: memoryview | None = None
-        if fp is None or not hasattr(fp, "readinto"):
+        if fp is None or not hasattr(fp, "readinto") or not hasattr(raw, "release_conn"):
             with owner._watchdog.guard(body, time.monotonic() + owner._timeouts[1], owner=owner):
                 self._whole = memoryview(owner._read_body(body, n))
 
@@ -832,13 +838,14 @@ class _OpenReply:
             out[:] = self._whole[at : at + len(out)]
             self._left -= len(out)
             return
-        deadline = time.monotonic() + owner._timeouts[1]
-        try:
-            with owner._watchdog.guard(self._body, deadline, owner=owner):
-                owner._read_body_into(self._body, out, release=False)
-        except _Transient as exc:
-            raise SourceError(f"{owner.location}: {exc}") from None
-        self._left -= len(out)
+        for at in range(0, len(out), PIECE):
+            piece = out[at : at + PIECE]
+            try:
+                with owner._watchdog.guard(self._body, time.monotonic() + owner._timeouts[1], owner=owner):
+                    owner._read_body_into(self._body, piece, release=False)
+            except _Transient as exc:
+                raise SourceError(f"{owner.location}: {exc}") from None
+            self._left -= len(piece)
 
     def finish(self) -> None:
         owner = self._owner
