@@ -786,6 +786,23 @@ def test_a_stream_read_by_threads_taking_turns_goes_back_to_buffered_prefetch() 
     assert remote.open_bodies == 0
 
 
+def test_drop_behind_also_drops_prefetches_the_reader_took_over() -> None:
+    """A reader that catches up with a queued prefetch fetches those bytes itself (it does not
+    wait for a busy pool): those spans are the scan's too, and are dropped behind it like the rest
+    (kept, they flushed the cache of everything else on a long scan). Two scans taking turns on
+    one prefetch worker: each one's next part is often queued behind the other's."""
+    data = random.Random(39).randbytes(64 * MiB)
+    layer, _, cache = make(data, cache_limit=32 * MiB, latency=0.004, part_size=2 * MiB, prefetch_workers=1)
+    cache.put("hot", b"x" * (4 * MiB))
+    half = len(data) // 2
+    for off in range(0, half, 1 * MiB):
+        for at in (off, half + off):
+            assert layer.read(at, 1 * MiB) == data[at : at + 1 * MiB]
+    assert layer.stats.prefetch_cancelled > 4, layer.stats.as_dict()
+    assert cache.peek("hot") is not None
+    layer.close()
+
+
 def _an_open_body(layer: BlockLayer, size: int) -> tuple[int, int]:
     """(start, end) of an open body at least ``size`` long, once a prefetch left one."""
     deadline = time.monotonic() + 10

@@ -449,6 +449,8 @@ class BlockLayer:
                         span.since += (len(own) // workers) * budget
                     self._insert(span)
                     own.append((span, span.future))  # type: ignore[arg-type]
+                    if stream.window:  # a scan's bytes (queued prefetches it took over, say): dropped
+                        stream.prefetched.append(span)  # behind it like the ones prefetched for it
         return pieces, own, waits, claims
 
     def _claim(self, span: _Span, offset: int, hi: int, direct: bool) -> _Claim:
