@@ -229,6 +229,16 @@ def test_sequential_read_of_a_large_member_prefetches_in_parallel(
         assert remote.cache.held <= remote.cache.limit
 
 
+def _sha256_read_into(remote: Archive, name: str) -> bytes:
+    """The member's digest, read front to back into one 1 MiB buffer (as a scanning reader does)."""
+    digest = hashlib.sha256()
+    with remote.open(name) as f:
+        buf = bytearray(1 * MiB)
+        while n := f.readinto(buf):
+            digest.update(memoryview(buf)[:n])
+    return digest.digest()
+
+
 def test_long_scan_receives_into_recycled_buffers_over_kept_alive_connections(
     localbucket_s3, proxy_to, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -242,12 +252,7 @@ def test_long_scan_receives_into_recycled_buffers_over_kept_alive_connections(
     with Archive("s3://bench/scan.zip", endpoint_url=proxy.url) as remote:
         proxy.reset_stats()
         for _ in range(2):  # the second pass reuses what the first one dropped behind
-            digest = hashlib.sha256()
-            with remote.open("large.bin") as f:
-                buf = bytearray(1 * MiB)
-                while n := f.readinto(buf):
-                    digest.update(memoryview(buf)[:n])
-            assert digest.digest() == hashlib.sha256(data).digest()
+            assert _sha256_read_into(remote, "large.bin") == hashlib.sha256(data).digest()
         stats = remote.source.stats()
         assert stats["buffers_reused"] >= 2  # a short scan: most parts are requested before any drop
         assert stats["dropped_behind"] >= 8
@@ -269,12 +274,7 @@ def test_a_scan_into_a_buffer_receives_replies_straight_into_it_even_with_faults
     proxy = proxy_to(localbucket_s3, stall_seconds=1.0)
 
     def scan(remote) -> None:
-        digest = hashlib.sha256()
-        with remote.open("large.bin") as f:
-            buf = bytearray(1 * MiB)
-            while n := f.readinto(buf):
-                digest.update(memoryview(buf)[:n])
-        assert digest.digest() == hashlib.sha256(data).digest()
+        assert _sha256_read_into(remote, "large.bin") == hashlib.sha256(data).digest()
 
     with Archive("s3://bench/open.zip", endpoint_url=proxy.url) as remote:
         proxy.reset_stats()

@@ -732,18 +732,7 @@ def test_open_bodies_are_bounded_and_closed_when_abandoned(monkeypatch: pytest.M
 
 
 def test_a_read_far_inside_an_open_body_skips_to_it_and_the_skipped_bytes_are_fetched_again() -> None:
-    data = random.Random(37).randbytes(48 * MiB)
-    layer, remote, _ = make(data, into=True, opens=True, part_size=8 * MiB)
-    assert _scan_into(layer, 0, 8 * MiB, 256 * KiB) == data[: 8 * MiB]
-    deadline = time.monotonic() + 10
-    big: list[tuple[int, int]] = []
-    while not big and time.monotonic() < deadline:
-        time.sleep(0.01)
-        with layer._lock:
-            big = sorted((sp.start, sp.end) for sp in layer._spans.values() if sp.body is not None)
-        big = [(a, b) for a, b in big if b - a >= 4 * MiB]
-    assert big, "no large body was left open"
-    start = big[0][0]
+    data, layer, remote, _, start = _with_an_open_body(37)
     at = start + 3 * MiB + 5  # past STASH_MAX into the body: the bytes before are not kept
     buf = bytearray(64 * KiB)
     layer.read_into(at, buf)
@@ -803,6 +792,16 @@ def test_drop_behind_also_drops_prefetches_the_reader_took_over() -> None:
     layer.close()
 
 
+def _with_an_open_body(seed: int):
+    """(data, layer, remote, cache, start): a read_into scan of the first 8 MiB of 48 left a body of
+    at least 4 MiB open at ``start`` (8 MiB parts)."""
+    data = random.Random(seed).randbytes(48 * MiB)
+    layer, remote, cache = make(data, into=True, opens=True, part_size=8 * MiB)
+    assert _scan_into(layer, 0, 8 * MiB, 256 * KiB) == data[: 8 * MiB]
+    start, _ = _an_open_body(layer, 4 * MiB)
+    return data, layer, remote, cache, start
+
+
 def _an_open_body(layer: BlockLayer, size: int) -> tuple[int, int]:
     """(start, end) of an open body at least ``size`` long, once a prefetch left one."""
     deadline = time.monotonic() + 10
@@ -857,10 +856,7 @@ def test_a_reader_holding_a_reservation_never_waits_on_an_open_prefetch_waiting_
 
 
 def test_a_failing_cache_hook_after_a_body_was_received_fails_its_readers_not_hangs_them() -> None:
-    data = random.Random(41).randbytes(48 * MiB)
-    layer, remote, cache = make(data, into=True, opens=True, part_size=8 * MiB)
-    assert _scan_into(layer, 0, 8 * MiB, 256 * KiB) == data[: 8 * MiB]
-    start, _ = _an_open_body(layer, 4 * MiB)
+    data, layer, remote, cache, start = _with_an_open_body(41)
     put = cache.put
 
     def failing_put(key, value) -> bool:
@@ -886,10 +882,7 @@ def test_a_failing_cache_hook_after_a_body_was_received_fails_its_readers_not_ha
 def test_an_interrupt_while_receiving_an_open_body_ends_the_read() -> None:
     """Ctrl-C during a read of an open body is not a failed body to fetch again: it ends the read,
     and nothing is left owed to other readers."""
-    data = random.Random(42).randbytes(48 * MiB)
-    layer, remote, _ = make(data, into=True, opens=True, part_size=8 * MiB)
-    assert _scan_into(layer, 0, 8 * MiB, 256 * KiB) == data[: 8 * MiB]
-    start, _ = _an_open_body(layer, 4 * MiB)
+    data, layer, remote, _, start = _with_an_open_body(42)
     readinto = FakeBody.readinto
     fired: list[int] = []
 
