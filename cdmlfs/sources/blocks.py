@@ -97,6 +97,7 @@ class OpenBody(Protocol):
 # open_range(start, end, since): the checked reply for bytes [start, end), body unread; or raises.
 OpenRange = Callable[[int, int, float], OpenBody]
 STASH_MAX = 2 * MiB  # bytes before a read inside an open body kept for another reader; more are skipped
+OUT_OF_ORDER = 64 * KiB  # a read this far inside an open body came before the one it follows
 OPEN_IDLE = 5.0  # seconds an open body may wait for its reader once all may be open are
 
 
@@ -284,11 +285,17 @@ class BlockLayer:
         except BaseException as exc:
             failed = exc
         direct = 0
-        for claim in claims:  # each one, whatever happens: others may wait for the spans it owns
-            try:
-                direct += self._receive(claim, offset, out, began)
-            except BaseException as exc:
-                failed = failed or exc
+        left = list(claims)
+        try:
+            while left:  # each one, whatever happens: others may wait for the spans it owns
+                claim = left.pop(0)
+                try:
+                    direct += self._receive(claim, offset, out, began)
+                except BaseException as exc:
+                    failed = failed or exc
+        finally:
+            for claim in left:  # an interrupt between two claims: let the others go too
+                self._release(claim, failed or SourceError(f"{self.name}: read interrupted"))
         if failed is not None:
             raise failed
         pieces = self._collect(pieces, own + waits)
@@ -328,8 +335,15 @@ class BlockLayer:
 
     # -- reading ------------------------------------------------------------------
     def _submit(self, own: list[_Span]) -> None:
-        for span in own:
-            self._start(span, self._run_foreground, prefetch=False)
+        done = 0
+        try:
+            for span in own:
+                self._start(span, self._run_foreground, prefetch=False)
+                done += 1
+        except BaseException as exc:  # (an interrupt): the rest would be waited for by nobody's request
+            for span in own[done:]:
+                self._abandon(span, exc)
+            raise
 
     def _start(self, span: _Span, run: Callable[[_Span], None], prefetch: bool) -> None:
         """Hand ``span`` to a pool thread, or fail it as close() does when the source is closed.
@@ -389,8 +403,8 @@ class BlockLayer:
             pos = offset
             takeover = 0
             for start in starts[i:j]:
-                span = self._spans[start]
-                if span.end <= pos:
+                span = self._spans.get(start)  # (a claim's insert may have swept it out meanwhile)
+                if span is None or span.end <= pos:
                     continue
                 if span.state == DONE:
                     data = self.cache.get(span.key)
@@ -411,7 +425,10 @@ class BlockLayer:
                     claims.append(claim)
                     if claim.stash is not None:  # dropped behind the reader like its body's other bytes
                         stream.prefetched.append(claim.stash)
-                        stream.shared = True  # a read out of order
+                        # A read into a buffer far ahead of the body's position: one issued before
+                        # the read it follows (not a ZIP member's data after its local header).
+                        if direct and claim.stash.end - claim.stash.start >= OUT_OF_ORDER:
+                            stream.shared = True
                     if claim.stash is not None and not direct:  # the read's bytes come through it
                         claim.stash.waiters += 1
                         waits.append((claim.stash, claim.stash.future))  # type: ignore[arg-type]
@@ -533,6 +550,7 @@ class BlockLayer:
         """
         body = claim.body
         stash = claim.stash
+        rest = claim.rest
         got = None
         try:
             if claim.keep_from > claim.start:
@@ -550,11 +568,8 @@ class BlockLayer:
             self._body_done(body, finished=False)
             return self._refetch(claim, offset, out, since)
         except BaseException as exc:  # KeyboardInterrupt...: not a failed body, the read ends here
-            self._body_done(body, finished=False)
-            self._abandon(claim.stash, exc)
-            self._abandon(claim.rest, exc)
+            self._release(claim, exc)
             raise
-        rest = claim.rest
         try:
             if stash is not None:
                 self._commit(stash, got)
@@ -585,12 +600,20 @@ class BlockLayer:
             self._fill(rest, body)  # readers wait for the rest: receive it for them
         return claim.hi - claim.direct
 
+    def _release(self, claim: _Claim, exc: BaseException) -> None:
+        """A claim this read will not carry out: its body closed, its spans' readers failed."""
+        self._body_done(claim.body, finished=False)
+        self._abandon(claim.stash, exc)
+        self._abandon(claim.rest, exc)
+
     def _abandon(self, span: _Span | None, exc: BaseException) -> None:
         """A span this thread owed its readers will not come: out of the index, its readers failed."""
         if span is None:
             return
         with self._lock:
             self._remove_if_indexed(span)
+        if not isinstance(exc, Exception):  # an interrupt is this thread's: others get a plain error
+            exc = SourceError(f"{self.name}: the read that was receiving these bytes was interrupted")
         _settle(span, exc=exc)
 
     def _refetch(self, claim: _Claim, offset: int, out: memoryview | None, since: float) -> int:
@@ -689,8 +712,9 @@ class BlockLayer:
                 body.close()
         except Exception as exc:  # closing a socket must not fail a read that has its bytes
             log.debug("%s: closing a reply body: %s", self.name, exc)
-        with self._lock:
-            self._open -= 1
+        finally:
+            with self._lock:
+                self._open -= 1
 
     def _run_open_prefetch(self, span: _Span) -> None:
         """A prefetch that stops at the reply's headers: the body stays open for the reader."""
