@@ -634,6 +634,38 @@ def test_reads_queued_behind_stalled_requests_still_end_by_the_deadline(
         src.close()
 
 
+def test_a_close_between_a_replys_headers_and_its_body_ends_the_read(
+    localbucket_s3, proxy_to, tmp_path: Path
+) -> None:
+    """close() cuts the bodies being read; a reply whose headers came in just before close() had its
+    body registered with the watchdog just after, missed the cut, and was read (a few bytes at a
+    time here) until the read deadline."""
+    _put_blob(localbucket_s3, "closing", tmp_path, random.Random(5).randbytes(2 * MiB))
+    proxy = proxy_to(localbucket_s3)
+    policy = RetryPolicy(max_attempts=3, deadline=30.0)
+    src = s3mod.S3Object("s3://closing/blob.bin", endpoint_url=proxy.url, retry=policy, read_timeout=20.0)
+    reply_by = src._reply_by
+
+    def closed_after_headers(*args, **kwargs):
+        resp = reply_by(*args, **kwargs)
+        # What close() does first lands between the headers and the body (the rest of close()
+        # also closes the client's pool, which here ends the read anyway).
+        src._closed = True
+        src._watchdog.cut(src)
+        return resp
+
+    src._reply_by = closed_after_headers  # type: ignore[method-assign]
+    proxy.inject("drip", 1000)
+    started = time.monotonic()
+    try:
+        with pytest.raises(SourceError, match="closed"):
+            src.read_at(1 * MiB, 256 * 1024)
+        assert time.monotonic() - started < 5.0
+    finally:
+        proxy.clear()
+        src.close()
+
+
 def test_a_read_larger_than_one_batch_of_requests_gets_a_deadline_per_batch(
     localbucket_s3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

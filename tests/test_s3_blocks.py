@@ -214,7 +214,9 @@ def test_concurrent_readers_of_the_same_bytes_share_one_request() -> None:
 
 def test_large_read_is_split_into_parallel_requests() -> None:
     data = random.Random(7).randbytes(16 * MiB)
-    layer, remote, _ = make(data, latency=0.05, part_size=8 * MiB, foreground_workers=8)
+    # Each request takes 0.3 s: four of them overlap unless the pool ran them one after another
+    # (or a loaded machine took that long to start its threads: 50 ms was not always enough).
+    layer, remote, _ = make(data, latency=0.3, part_size=8 * MiB, foreground_workers=8)
     assert layer.read(0, 16 * MiB) == data
     assert len(remote.calls) >= 8
     assert remote.max_active >= 4

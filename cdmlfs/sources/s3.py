@@ -34,6 +34,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterator
 
 from cdmlfs import __version__, forksafe
 from cdmlfs.cache import ExtentCache
@@ -462,7 +463,7 @@ class S3Object:
                         f"{self.location}: the server ignores Range requests (it sent all of "
                         f"{length} bytes); random access needs ranged GETs"
                     )
-            with self._watchdog.guard(body, deadline, owner=self):
+            with self._guard(body, deadline):
                 data = self._read_body(body, length)
         finally:
             body.close()
@@ -478,7 +479,7 @@ class S3Object:
                 crange = resp.get("ContentRange") or ""
                 if not crange.startswith("bytes 0-"):
                     return None
-                with self._watchdog.guard(body, deadline, owner=self):
+                with self._guard(body, deadline):
                     data = body.read()
             finally:
                 body.close()
@@ -559,7 +560,7 @@ class S3Object:
                     kept = True  # (not before: a consume that failed leaves the body to close here)
                     return reply
                 # A body dripping in never ends otherwise.
-                with self._watchdog.guard(body, deadline, owner=self):
+                with self._guard(body, deadline):
                     return consume(body)
             finally:
                 if not kept:
@@ -619,6 +620,16 @@ class S3Object:
         if not request.start():
             raise _Transient(f"{MAX_STUCK} requests are still waiting for replies from this server")
         return request.result(deadline)
+
+    @contextlib.contextmanager
+    def _guard(self, body, deadline: float) -> Iterator[None]:
+        """Read ``body`` by ``deadline`` (the watchdog), and not at all once this source is closed:
+        close() cuts the bodies registered before it, and one registered just after it (its reply's
+        headers came in meanwhile) would otherwise be read until the deadline."""
+        with self._watchdog.guard(body, deadline, owner=self):
+            if self._closed:
+                raise SourceError(f"{self.location}: source closed during the read")
+            yield
 
     def _read_body(self, body, n: int | None) -> bytes:
         try:
@@ -824,7 +835,7 @@ class _OpenReply:
         fp = getattr(raw, "_fp", None)
         self._whole: memoryview | None = None
         if fp is None or not hasattr(fp, "readinto") or not hasattr(raw, "release_conn"):
-            with owner._watchdog.guard(body, time.monotonic() + owner._timeouts[1], owner=owner):
+            with owner._guard(body, time.monotonic() + owner._timeouts[1]):
                 self._whole = memoryview(owner._read_body(body, n))
 
     def readinto(self, out: memoryview) -> None:
@@ -841,7 +852,7 @@ class _OpenReply:
         for at in range(0, len(out), PIECE):
             piece = out[at : at + PIECE]
             try:
-                with owner._watchdog.guard(self._body, time.monotonic() + owner._timeouts[1], owner=owner):
+                with owner._guard(self._body, time.monotonic() + owner._timeouts[1]):
                     owner._read_body_into(self._body, piece, release=False)
             except _Transient as exc:
                 raise SourceError(f"{owner.location}: {exc}") from None
