@@ -526,19 +526,9 @@ class BlockLayer:
                 self._remove_if_indexed(span)
             _settle(span, exc=exc)
             return
-        with self._lock:
-            # Closed meanwhile: close() failed this span's readers and cleared the cache of its
-            # spans, so bytes put now would stay there. Taken out under the lock close() takes too.
-            if self._closed:
-                self.cache.discard(span.key)
-                cached = False
-            self.stats.fetches += 1
-            self.stats.fetched_bytes += len(data)
-            if cached and self._spans.get(span.start) is span:
-                span.state = DONE
-            else:
-                self._remove_if_indexed(span)
-        _settle(span, data)
+        self.stats.fetches += 1
+        self.stats.fetched_bytes += len(data)
+        self._commit(span, data, cached)
 
     # -- open bodies ---------------------------------------------------------------
     def _receive(self, claim: _Claim, offset: int, out: memoryview | None, since: float) -> int:
@@ -621,14 +611,17 @@ class BlockLayer:
         try:
             if claim.hi > claim.direct:
                 assert out is not None
-                view = out[claim.direct - offset : claim.hi - offset]
-                if self._fetch_into is not None:
-                    self._fetch_into(claim.direct, claim.hi, view, since)
-                else:
-                    view[:] = self._fetch(claim.direct, claim.hi, since)
+                self._fetch_to(claim.direct, claim.hi, out[claim.direct - offset : claim.hi - offset], since)
         finally:
             self._settle_claimed(claim)
         return claim.hi - claim.direct
+
+    def _fetch_to(self, start: int, end: int, view: memoryview, since: float) -> None:
+        """Bytes [start, end) into ``view`` the ordinary way (a request, with retries)."""
+        if self._fetch_into is not None:
+            self._fetch_into(start, end, view, since)
+        else:
+            view[:] = self._fetch(start, end, since)
 
     def _settle_claimed(self, claim: _Claim) -> None:
         """The spans a failed claim owed: fetched for the readers that wait, else forgotten."""
@@ -667,10 +660,7 @@ class BlockLayer:
                 self.stats.bodies_failed += 1
                 body, failed = None, body
                 self._body_done(failed, finished=False)
-                if self._fetch_into is not None:
-                    self._fetch_into(span.start, span.end, memoryview(buf), span.since)
-                else:
-                    buf = self._fetch(span.start, span.end, span.since)
+                self._fetch_to(span.start, span.end, memoryview(buf), span.since)
             if body is not None:
                 body, done = None, body
                 self._body_done(done, finished=True)
@@ -690,12 +680,14 @@ class BlockLayer:
                 room.release()
 
     def _commit(self, span: _Span, data, cached: bool | None = None) -> None:
-        """Bytes of a span this thread received: into the cache (unless ``cached`` says already)
-        and the index, then to the readers waiting for them."""
+        """Bytes of a span this thread received: into the cache (unless ``cached`` says whether
+        they are already), the index, then to the readers waiting for them."""
         if cached is None:
             cached = self.cache.put(span.key, data)
         with self._lock:
-            if self._closed:  # close() failed the span's readers and cleared its spans already
+            # Closed meanwhile: close() failed this span's readers and cleared the cache of its
+            # spans, so bytes put now would stay there. Taken out under the lock close() takes too.
+            if self._closed:
                 self.cache.discard(span.key)
                 cached = False
             if cached and self._spans.get(span.start) is span:
@@ -721,9 +713,10 @@ class BlockLayer:
         with self._lock:
             if span.cancelled or self._spans.get(span.start) is not span:
                 return
-            if self._open >= (self.config.max_open or 0):
+            limit = self.config.max_open or 0
+            if self._open >= limit:
                 self._close_stale_open(time.monotonic() - OPEN_IDLE)
-            opened = self._open < (self.config.max_open or 0)
+            opened = self._open < limit
             if opened:  # (no cache reservation: an open body holds no memory of ours)
                 self._open += 1
                 span.state = FETCHING
@@ -850,14 +843,9 @@ class BlockLayer:
                 return
         finally:
             room.release()
-        with self._lock:
-            if self._closed:  # as in _run_foreground: closed meanwhile, so not kept (not readable)
-                self.cache.discard(span.key)
-            self.stats.prefetches += 1
-            self.stats.prefetched_bytes += len(data)
-            if self._spans.get(span.start) is span:
-                span.state = DONE
-        _settle(span, data)
+        self.stats.prefetches += 1
+        self.stats.prefetched_bytes += len(data)
+        self._commit(span, data, cached=True)
 
     def _drop_behind(self, stream: Stream) -> None:
         """Forget prefetched spans the stream has left well behind."""
