@@ -312,7 +312,10 @@ class ArchiveDatasetFolder(_DatasetFolderBase):  # type: ignore[misc,valid-type]
                 with handles.reading_from(self._tree.location, archive):  # the version we listed
                     sample = self.loader(path)
             except FileNotFoundError as exc:
-                if exc.filename != path or isinstance(exc, SampleNotFoundError):
+                # Only an archive sample opened as a local file gets the hint; a plain local path
+                # the user added to samples keeps the OS's own error.
+                local = split_sample_path(path) is None
+                if exc.filename != path or isinstance(exc, SampleNotFoundError) or local:
                     raise
                 raise _opened_locally(exc, path, "the loader") from exc
         else:

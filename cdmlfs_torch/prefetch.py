@@ -279,8 +279,11 @@ class _PassThroughIterator:
             self._metrics.finish(time.perf_counter() - t0)  # the workers' shutdown is waited for
             raise
         owner = self._owner
-        owner._check_images(batch)
-        out = map_tensors(batch, lambda t: owner._convert(t, owner.device))
+        try:
+            owner._check_images(batch)
+            out = map_tensors(batch, lambda t: owner._convert(t, owner.device))
+        except StopIteration as exc:  # leaving __next__, it would end the pass: an error, as on CUDA
+            raise RuntimeError(f"a batch's conversion raised StopIteration: {exc}") from exc
         self._metrics.add_wait(time.perf_counter() - t0)
         return out
 

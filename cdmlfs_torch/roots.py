@@ -281,8 +281,16 @@ class ArchiveTree(Tree):
         self._handle = archive  # in this process (and forked workers): this version, for as long as we live
         handles.remember_options(self.location, self.open_kwargs)  # for loaders naming only the location
         if self.inner and not archive.isdir(self.inner):
-            if archive.exists(self.inner):
-                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), self.root_path)
+            # As the OS walks a path: the first component that is no directory decides, so a path
+            # through a file is NotADirectoryError, as torchvision's folders get it on disk.
+            parts = [p for p in self.inner.split("/") if p]
+            for i in range(1, len(parts) + 1):
+                head = "/".join(parts[:i])
+                if archive.isdir(head):
+                    continue
+                if archive.exists(head):
+                    raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), self.root_path)
+                break
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), self.root_path)
         return self
 

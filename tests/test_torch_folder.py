@@ -734,6 +734,12 @@ def test_missing_roots(trees: dict[str, Path], tmp_path: Path) -> None:
     assert not_dir.value.filename == f"{zip_path}/train/cat/b.jpg"
     with pytest.raises(NotADirectoryError):
         ArchiveImageFolder(f"{zip_path}::train/cat/b.jpg")
+    # Through a file, as the OS answers for a root on disk (was FileNotFoundError).
+    for root in (f"{zip_path}::train/cat/b.jpg/x", f"{zip_path}/train/cat/b.jpg/x/y"):
+        with pytest.raises(NotADirectoryError):
+            ArchiveImageFolder(root)
+    with pytest.raises(NotADirectoryError):
+        ImageFolder(str(trees["extracted"] / "cat/b.jpg/x"))
     # As ImageFolder answers for a root on disk: OSErrors, not cdmlfs's own error types.
     with pytest.raises(FileNotFoundError):
         ArchiveImageFolder(f"{tmp_path / 'nope.zip'}::train")
@@ -1052,6 +1058,16 @@ def test_manifest_samples_open_their_archive_with_the_datasets_options(tmp_path:
         assert handles.get_archive(str(archive))._cache_size == 3 << 20
     finally:
         handles.close_all()
+
+
+def test_a_missing_local_sample_keeps_the_os_error(trees: dict[str, Path], tmp_path: Path) -> None:
+    """A plain local path added to samples got the hint meant for archive samples opened locally."""
+    ds = ArchiveImageFolder(f"{trees['zip']}::train")
+    missing = str(tmp_path / "gone.png")
+    ds.samples.append((missing, 0))
+    with pytest.raises(FileNotFoundError) as err:
+        ds[-1]
+    assert err.value.filename == missing and "open_sample" not in str(err.value)
 
 
 def test_is_valid_file_that_opens_sample_paths_itself_is_told_what_to_use(trees: dict[str, Path]) -> None:

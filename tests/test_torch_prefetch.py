@@ -298,6 +298,19 @@ def test_errors_of_the_wrapped_loader_propagate() -> None:
         next(it)
 
 
+def test_a_stop_iteration_from_converting_a_batch_is_an_error_on_cpu_too() -> None:
+    """Raised inside ``__next__``, it would end the pass silently (as the CUDA path does not)."""
+    batches = [torch.zeros((2, 3, 4, 4), dtype=torch.uint8) for _ in range(3)]
+
+    def is_image(t: torch.Tensor) -> bool:
+        raise StopIteration  # a buggy predicate
+
+    for batch_of in (lambda b: b, lambda b: {"img": b}):
+        it = iter(GPUPrefetchLoader([batch_of(b) for b in batches], device="cpu", is_image=is_image))
+        with pytest.raises(RuntimeError, match="StopIteration"):
+            next(it)
+
+
 class BadAt(Dataset):
     """Sample ``bad`` raises: a DataLoader raises for its batch and goes on with the next."""
 
