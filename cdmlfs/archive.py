@@ -466,7 +466,7 @@ class Archive:
         out = os.path.join(dest_dir, index.paths[eid])
         if index.kind[eid] == DIR:
             check_inside(root, os.path.join(out, "."))
-            os.makedirs(out, exist_ok=True)
+            _make_dir(out)
             done(out)
             folders = [eid]
             written: dict[int, str] = {}  # data entry -> the file written for it, for hard links
@@ -506,33 +506,49 @@ class Archive:
         kind = index.kind[eid]
         if kind == DIR:
             check_inside(root, os.path.join(out, "."))
-            os.makedirs(out, exist_ok=True)
+            _make_dir(out)
             return
         check_inside(root, out)
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        data = index.data_entry(eid)
+        linked = written is not None and (eid in index.hardlink_of or data in index.nlink_extra)
+        if linked and data in written and _hard_link(written[data], out):  # type: ignore[operator]
+            return
         if kind == SYMLINK:
             if os.path.lexists(out):
                 os.unlink(out)
             os.symlink(self.reader.readlink(eid), out)
             with contextlib.suppress(OSError, NotImplementedError):  # as tar -x: the link's own mtime
                 os.utime(out, (index.mtime[eid], index.mtime[eid]), follow_symlinks=False)
+            if linked:  # a hard link to a symlink: its other names link to this one
+                written[data] = out  # type: ignore[index]
             return
-        data = index.data_entry(eid)
-        linked = written is not None and (eid in index.hardlink_of or data in index.nlink_extra)
-        if linked and data in written:
-            tmp = f"{out}.cdmlfs-link-{os.getpid()}"
-            try:
-                os.link(written[data], tmp)
-                os.replace(tmp, out)
-                return
-            except OSError:  # a file system without hard links: a copy, as before
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
         raw = MemberFile(self.reader, eid, index.paths[eid])
         sparse = bool(index.flags[data] & SPARSE)
         write_atomically(out, raw, mode=index.mode[eid], mtime=index.mtime[eid], chunk=chunk, sparse=sparse)
         if linked:
             written[data] = out  # type: ignore[index]
+
+
+def _make_dir(out: str) -> None:
+    """A folder at ``out``; a file or a dangling link in the way is replaced, as ``tar -x`` does."""
+    if os.path.lexists(out) and not os.path.isdir(out):
+        os.unlink(out)
+    os.makedirs(out, exist_ok=True)
+
+
+def _hard_link(existing: str, out: str) -> bool:
+    """``out`` as another name of ``existing`` (a symlink itself, not what it points to), replacing
+    what is there; False where the file system has no hard links (the caller writes a copy)."""
+    tmp = f"{out}.cdmlfs-link-{os.getpid()}"
+    try:
+        os.link(existing, tmp, follow_symlinks=False)
+        os.replace(tmp, out)
+        return True
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return False
 
 
 class MemberFile(io.RawIOBase):

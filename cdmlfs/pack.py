@@ -116,6 +116,9 @@ class PackEntry(NamedTuple):
     uid: int = 0
     gid: int = 0
     read: Callable[[], Iterator[bytes]] | None = None
+    # A hard link to a symlink: that symlink's target (a ZIP, which has no hard links, gets a copy
+    # of the symlink; a tar gets the hard link, as `tar -c` writes it).
+    target_link: str = ""
 
 
 # -- sources ------------------------------------------------------------------------------
@@ -301,7 +304,14 @@ def entries_from_directory(
                 log.warning("%s: removed before it was packed", item.path)
                 changed.append(item.path)
                 continue
-            out.append(PackEntry(rel, SYMLINK, link=target, **common))
+            key = (st.st_dev, st.st_ino)
+            first = seen_inodes.get(key) if st.st_nlink > 1 else None
+            if first is not None:  # a hard link to a symlink packed already
+                out.append(PackEntry(rel, HARDLINK, link=first, target_link=target, **common))
+            else:
+                if st.st_nlink > 1:
+                    seen_inodes[key] = rel
+                out.append(PackEntry(rel, SYMLINK, link=target, **common))
         elif statmod.S_ISREG(mode):
             key = (st.st_dev, st.st_ino)
             first = seen_inodes.get(key) if st.st_nlink > 1 else None
@@ -391,6 +401,7 @@ def entries_from_archive(archive, dirs_last: bool = True) -> list[PackEntry]:
     out: list[PackEntry] = []
     dirs: list[PackEntry] = []
     links: list[PackEntry] = []
+    symlink_links: list[PackEntry] = []  # hard links to symlinks: after every symlink they name
     # Hard links whose target's path now names another entry (a later duplicate replaced it, as
     # `tar -r` appends do): the first such link carries the data as a file, the others link to it.
     carried: dict[int, str] = {}
@@ -400,10 +411,20 @@ def entries_from_archive(archive, dirs_last: bool = True) -> list[PackEntry]:
         path = index.paths[eid]
         if kind == DIR:
             dirs.append(PackEntry(path, DIR, index.mode[eid], index.mtime[eid]))
-        elif kind == SYMLINK:
+        elif kind == SYMLINK and eid not in index.hardlink_of:
             links.append(
                 PackEntry(path, SYMLINK, index.mode[eid], index.mtime[eid], link=reader.readlink(eid))
             )
+        elif kind == SYMLINK:  # a hard link to a symlink: a hard link again, as `tar -c` keeps it
+            data = index.hardlink_of[eid]
+            text = reader.readlink(data)
+            mode, mtime = index.mode[eid], index.mtime[eid]
+            if index.get(index.paths[data]) != data:  # its target's name now holds another entry
+                links.append(PackEntry(path, SYMLINK, mode, mtime, link=text))
+            else:
+                symlink_links.append(
+                    PackEntry(path, HARDLINK, mode, mtime, link=index.paths[data], target_link=text)
+                )
         elif eid in index.hardlink_of:
             data = index.hardlink_of[eid]
             size = index.size[data]
@@ -434,8 +455,8 @@ def entries_from_archive(archive, dirs_last: bool = True) -> list[PackEntry]:
             )
         )
     if not dirs_last:
-        return dirs + out + carriers + links
-    return out + carriers + links + dirs[::-1]  # the walk gives parents first
+        return dirs + out + carriers + links + symlink_links
+    return out + carriers + links + symlink_links + dirs[::-1]  # the walk gives parents first
 
 
 STDIN = "-"  # pack's source name for a tar stream on standard input
@@ -702,6 +723,8 @@ def write_zip(entries: Iterable[PackEntry], f, level: int, progress: Progress | 
     last_report = 0.0
     with zipfile.ZipFile(f, "w", allowZip64=True) as zf:
         for entry in entries:
+            if entry.kind == HARDLINK and entry.target_link:  # no hard links in a ZIP: a copy
+                entry = entry._replace(kind=SYMLINK, link=entry.target_link, size=0, read=None)
             info = _zip_info(entry, level)
             if entry.kind == DIR:
                 zf.writestr(info, b"")

@@ -1046,3 +1046,30 @@ def test_close_under_reads_never_lends_them_another_files_bytes(tmp_path: Path, 
             os.close(fd)
         assert not wrong, (rnd, wrong[:3])
     assert errors and all(isinstance(e, ValueError) for e in errors), {repr(e) for e in errors}
+
+
+def test_extract_keeps_hard_links_to_symlinks_and_replaces_a_file_in_a_folders_way(tmp_path: Path) -> None:
+    """As `tar -x`: a hard link to a symlink came out as a second, unrelated symlink (nlink 1), and a
+    file (or a dangling link) where the archive has a folder stopped that folder's extraction."""
+    import subprocess
+
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "t").write_bytes(b"T\n")
+    (src / "sub" / "f").write_bytes(b"F\n")
+    os.symlink("t", src / "s")
+    os.link(src / "s", src / "h", follow_symlinks=False)
+    tar = tmp_path / "a.tar"
+    subprocess.run(["tar", "-cf", str(tar), "-C", str(src), "."], check=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sub").write_bytes(b"in the way")
+    os.symlink("nowhere", out / "gone")
+    run_cli("extract", str(tar), ".", "-C", str(out), check=True)
+    s, h = os.lstat(out / "s"), os.lstat(out / "h")
+    assert os.readlink(out / "h") == "t" and s.st_ino == h.st_ino and s.st_nlink == 2
+    assert (out / "sub" / "f").read_bytes() == b"F\n"
+    with zipfile.ZipFile(tmp_path / "d.zip", "w") as zf:
+        zf.writestr("gone/x", b"X")
+    run_cli("extract", str(tmp_path / "d.zip"), "gone", "-C", str(out), check=True)
+    assert (out / "gone" / "x").read_bytes() == b"X" and not (out / "gone").is_symlink()

@@ -1397,3 +1397,32 @@ def test_a_small_pack_says_its_sizes_and_counts_as_they_are(tmp_path: Path) -> N
     assert res.returncode == 0, err
     assert "skipped 1 special file\n" in err and "0.0 MiB" not in err, err
     assert "(2.9 KiB) into" in err, err
+
+
+def _symlink_with_a_hard_link(src: Path) -> Path:
+    """``s`` -> ``t`` and ``h``, a second name of the symlink ``s`` itself (as `ln s h` makes it)."""
+    src.mkdir()
+    (src / "t").write_bytes(b"T\n")
+    os.symlink("t", src / "s")
+    os.link(src / "s", src / "h", follow_symlinks=False)
+    return src
+
+
+@pytest.mark.parametrize("source", ["directory", "tar"])
+def test_hard_links_to_symlinks_stay_hard_links(tmp_path: Path, source: str) -> None:
+    """`tar -c` keeps a hard link to a symlink; pack wrote two unrelated symlinks (nlink 1 each), from
+    a directory and from an archive alike. A ZIP, with no hard links, gets a copy of the symlink."""
+    src = _symlink_with_a_hard_link(tmp_path / "src")
+    given = src if source == "directory" else gnu_tar(tmp_path / "in.tar", src)
+    packed = cdmlfs_pack(given, tmp_path / "out.tar.zst")
+    unpacked = extract(packed, tmp_path / "x")
+    s, h = os.lstat(unpacked / "s"), os.lstat(unpacked / "h")
+    assert os.readlink(unpacked / "h") == "t" and s.st_ino == h.st_ino and s.st_nlink == 2
+    with Archive(str(packed)) as ar:  # its embedded index says so too
+        st_s, st_h = ar.stat("s", follow_symlinks=False), ar.stat("h", follow_symlinks=False)
+        assert st_h.ino == st_s.ino and st_h.nlink == 2 and ar.readlink("h") == "t"
+    zipped = cdmlfs_pack(given, tmp_path / "out.zip")
+    with zipfile.ZipFile(zipped) as zf:
+        for name in ("s", "h"):
+            info = zf.getinfo(name)
+            assert (info.external_attr >> 16) & 0o170000 == 0o120000 and zf.read(name) == b"t"
