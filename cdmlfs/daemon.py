@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from cdmlfs import fastpath, fuseloop
+from cdmlfs import fastpath, fuseloop, xdg
 from cdmlfs.archive import Archive
 from cdmlfs.errors import CdmlfsError, UsageError
 from cdmlfs.fuse_ops import ArchiveOperations, load_mfusepy, make_fuse_class
@@ -194,7 +194,9 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             with contextlib.suppress(ValueError, OSError):  # ValueError: not the main thread
                 signal.signal(sig, signal.SIG_IGN)
-        if opts.pid_file:
+        # Only our own: a daemon that outlived its mount (a lazy unmount with a reader inside) must
+        # not take the pid file of the one mounted there since.
+        if opts.pid_file and _pid_in(opts.pid_file) == os.getpid():
             with contextlib.suppress(OSError):
                 os.unlink(opts.pid_file)
 
@@ -262,7 +264,7 @@ def _state_dir() -> str:
     When that cannot be made or written (a read-only or missing home; ``HOME=/`` for a container run
     under an arbitrary uid), a private folder in the temporary directory (``/tmp/cdmlfs-UID``) instead:
     ``cdmlfs mount`` failed there, blaming a missing directory."""
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    base = xdg.base_dir("XDG_STATE_HOME", ".local", "state")
     preferred = os.path.join(base, "cdmlfs")
     try:
         os.makedirs(preferred, exist_ok=True)
@@ -338,6 +340,27 @@ def check_pid_file(pid_file: str) -> None:
     parent = _check_file_to_write(pid_file, what)
     if not os.access(pid_file if os.path.exists(pid_file) else parent, os.W_OK):
         raise UsageError(f"{what}: cannot write it (permission denied)")
+    pid = _pid_in(pid_file)
+    if pid is not None and pid != os.getpid() and _is_cdmlfs(pid):  # a stale one is overwritten
+        raise UsageError(f"{what}: names cdmlfs process {pid}, still running; give another file")
+
+
+def _pid_in(pid_file: str) -> int | None:
+    """The process id a pid file holds (its first word), or None."""
+    try:
+        with open(pid_file) as f:
+            return int(f.read(64).split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _is_cdmlfs(pid: int) -> bool:
+    """Whether ``pid`` is a live cdmlfs process (not another that reused a stale file's number)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"cdmlfs" in f.read()
+    except OSError:
+        return False
 
 
 def _check_file_to_write(path: str, what: str) -> str:

@@ -35,7 +35,7 @@ from typing import ClassVar
 
 import zstandard
 
-from cdmlfs import forksafe
+from cdmlfs import forksafe, xdg
 from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, MemberError, UsageError
 from cdmlfs.safe_write import private_temp_dir
 from cdmlfs.sources.base import SourceIdentity
@@ -67,7 +67,7 @@ _OPEN_FLAGS = os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NOCTTY
 
 def default_index_dir() -> str:
     """``$XDG_CACHE_HOME/cdmlfs/index``, else ``~/.cache/cdmlfs/index``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = xdg.base_dir("XDG_CACHE_HOME", ".cache")
     return os.path.join(base, "cdmlfs", "index")
 
 

@@ -778,7 +778,23 @@ def test_index_dir_default_respects_xdg(monkeypatch: pytest.MonkeyPatch, tmp_pat
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_index_dir() == str(tmp_path / "xdg" / "cdmlfs" / "index")
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert default_index_dir() == os.path.join(os.path.expanduser("~"), ".cache", "cdmlfs", "index")
+    home_default = os.path.join(os.path.expanduser("~"), ".cache", "cdmlfs", "index")
+    assert default_index_dir() == home_default
+    # A relative value is invalid by the spec, to be ignored (it followed the working directory).
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")
+    assert default_index_dir() == home_default
+
+
+def test_state_dir_ignores_a_relative_xdg_state_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from cdmlfs.daemon import _state_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_STATE_HOME", "relative/dir")
+    assert _state_dir() == str(tmp_path / "home" / ".local" / "state" / "cdmlfs")
+    assert not (tmp_path / "relative").exists()
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    assert _state_dir() == str(tmp_path / "state" / "cdmlfs")
 
 
 def test_unwritable_index_dir_still_opens(tmp_path: Path, many_files: Path) -> None:

@@ -28,6 +28,7 @@ from mountutil import (
     is_mounted,
     mount_stats,
     mounted,
+    read_pid,
     run_cli,
     tree,
     unzip,
@@ -372,6 +373,38 @@ def test_remount_after_a_lazy_unmount_is_not_blocked(tmp_path: Path, mnt: Path) 
             assert sorted(os.listdir(mnt))
     finally:
         holder.close()
+        await_exit(first)
+
+
+def test_a_pid_file_is_only_ever_removed_by_its_own_daemon(tmp_path: Path, mnt: Path) -> None:
+    """A mount given the pid file of a running daemon wrote its own pid over it, failed (or ended),
+    and removed the file; a daemon outliving its mount (lazy unmount) removed the file of the one
+    mounted there since. Now such a pid file is refused, and a daemon removes only its own."""
+    good = python_zip(tmp_path / "good.zip", sample_files())
+    pid_file = tmp_path / "d.pid"
+    run_cli("mount", str(good), str(mnt), "--pid-file", str(pid_file), check=True)
+    first = read_pid(pid_file)
+    other = tmp_path / "other"
+    other.mkdir()
+    try:
+        for bad in ([], ["-o", "nonsense"]):
+            res = run_cli("mount", str(good), str(other), "--pid-file", str(pid_file), *bad)
+            err = res.stderr.decode()
+            assert res.returncode == 2 and "still running" in err and err.count("\n") == 1, err
+            assert read_pid(pid_file) == first and not is_mounted(other)
+        pid_file.write_text("1\n")  # another's now (a later daemon's): left alone
+        run_cli("umount", str(mnt), check=True)
+        await_exit(first)
+        assert read_pid(pid_file) == 1
+        run_cli("mount", str(good), str(other), "--pid-file", str(pid_file), check=True)  # not cdmlfs
+        second = read_pid(pid_file)
+        assert second not in (None, 1, first)
+        run_cli("umount", str(other), check=True)
+        await_exit(second)
+        assert not pid_file.exists()  # its own: removed
+    finally:
+        force_unmount(mnt)
+        force_unmount(other)
         await_exit(first)
 
 
