@@ -849,9 +849,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-v", "--verbose"):  # `cdmlfs -v ls ...`: as after the command
         argv = [*argv[1:2], argv[0], *argv[2:]]
     args, unknown = parser.parse_known_args(argv)
-    if unknown:  # said by the subcommand's parser, so the hint points at its own --help
+    if unknown:
+        # Options between positionals (`ls data.zip -l sub`, `extract data.zip a -C out b`), as ls
+        # and tar take them: the subcommand's parser again, intermixed. What is still unknown is
+        # said by that parser, so the hint points at its own --help.
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+        rest = argv[argv.index(args.command) + 1 :]
+        args = sub.choices[args.command].parse_intermixed_args(rest, argparse.Namespace(command=args.command))
     _setup_logging(getattr(args, "verbose", False))
     try:
         return args.func(args)

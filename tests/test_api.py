@@ -1073,3 +1073,18 @@ def test_extract_keeps_hard_links_to_symlinks_and_replaces_a_file_in_a_folders_w
         zf.writestr("gone/x", b"X")
     run_cli("extract", str(tmp_path / "d.zip"), "gone", "-C", str(out), check=True)
     assert (out / "gone" / "x").read_bytes() == b"X" and not (out / "gone").is_symlink()
+
+
+def test_cli_options_may_come_between_positionals(tmp_path: Path) -> None:
+    """`ls data.zip -l sub` and `extract data.zip a -C out b` (as ls and tar take them) were refused
+    with 'unrecognized arguments'; an option that is unknown still is, by the subcommand's parser."""
+    z = python_zip(tmp_path / "t.zip", {"a.txt": b"A\n", "sub/b.txt": b"B\n"})
+    res = run_cli("ls", str(z), "-l", "sub", check=True)
+    assert "b.txt" in res.stdout.decode() and res.stdout.decode().startswith("-r")
+    assert run_cli("ls", str(z), "-R", "sub", check=True).stdout.decode().split() == ["sub/b.txt"]
+    out = tmp_path / "out"
+    run_cli("extract", str(z), "a.txt", "-C", str(out), "sub/b.txt", check=True)
+    assert (out / "a.txt").read_bytes() == b"A\n" and (out / "sub" / "b.txt").read_bytes() == b"B\n"
+    res = run_cli("ls", str(z), "sub", "--bogus")
+    err = res.stderr.decode()
+    assert res.returncode == 2 and "unrecognized arguments: --bogus" in err and "cdmlfs ls --help" in err
