@@ -392,6 +392,10 @@ def cmd_extract(args: argparse.Namespace) -> int:
             except BrokenPipeError:  # `| head`: stop listing, not extracting
                 _stdout_to_devnull()
                 listing = False
+            except OSError as exc:  # a full disk under stdout: not the destination's fault
+                if exc.filename is None:
+                    exc.filename = "standard output (the -v listing)"
+                raise
 
     _exit_on_termination()  # the partial file is removed on the way out
     with archive:

@@ -1088,3 +1088,13 @@ def test_cli_options_may_come_between_positionals(tmp_path: Path) -> None:
     res = run_cli("ls", str(z), "sub", "--bogus")
     err = res.stderr.decode()
     assert res.returncode == 2 and "unrecognized arguments: --bogus" in err and "cdmlfs ls --help" in err
+
+
+def test_cli_extract_listing_to_a_full_stdout_blames_stdout(tmp_path: Path) -> None:
+    """A -v listing that could not be written (stdout on a full disk) was reported as the
+    destination directory's lack of room."""
+    z = python_zip(tmp_path / "t.zip", {"a.txt": b"A\n"})
+    with open("/dev/full", "w") as full:
+        res = run_cli("extract", "-v", str(z), "a.txt", "-C", str(tmp_path / "out"), stdout=full)
+    last = res.stderr.decode().strip().splitlines()[-1]
+    assert res.returncode == 1 and "standard output" in last and str(tmp_path / "out") not in last, last
