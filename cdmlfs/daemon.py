@@ -22,6 +22,7 @@ import logging
 import os
 import select
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -346,12 +347,22 @@ def check_pid_file(pid_file: str) -> None:
 
 
 def _pid_in(pid_file: str) -> int | None:
-    """The process id a pid file holds (its first word), or None."""
+    """The process id a pid file holds (its first word), or None.
+
+    Only a regular file is read: opening a FIFO (or a device) to read would block, or consume what
+    another process waits for; such a "pid file" names no process."""
     try:
-        with open(pid_file) as f:
-            return int(f.read(64).split()[0])
+        fd = os.open(pid_file, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return int(os.read(fd, 64).split()[0])
     except (OSError, ValueError, IndexError):
         return None
+    finally:
+        os.close(fd)
 
 
 def _is_cdmlfs(pid: int) -> bool:
