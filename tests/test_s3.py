@@ -1470,3 +1470,24 @@ def test_a_tls_error_in_the_middle_of_a_body_is_retried() -> None:
     ):
         with pytest.raises(s3mod._Transient):
             obj._classify(exc, opening=False)
+
+
+def test_a_failing_credential_process_says_so_in_one_line(moto_s3, tmp_path: Path) -> None:
+    """A profile's credential_process that prints no JSON was reported as a bare usage error
+    ("cdmlfs: Expecting value: line 1 column 1 (char 0)", exit 2); one that fails had its stderr's
+    newline end the message with a blank line."""
+    config = tmp_path / "config"
+    config.write_text(
+        "[profile garbled]\ncredential_process = echo not-json\n"
+        "[profile failing]\ncredential_process = sh -c 'echo first >&2; echo second >&2; exit 3'\n"
+    )
+    env = {**os.environ, "AWS_CONFIG_FILE": str(config), "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+    expected = {"garbled": ("credentials", "'garbled'", "not JSON"), "failing": ("first second",)}
+    for profile, words in expected.items():
+        res = run_cli(
+            "ls", "s3://creds/a.zip", "--endpoint-url", moto_s3.url, "--profile", profile, env=env, timeout=60
+        )
+        err = res.stderr.decode()
+        assert res.returncode == 1 and err.count("\n") == 1, err
+        assert err.startswith("cdmlfs: s3://creds/a.zip: "), err
+        assert all(w in err for w in words) and "Traceback" not in err, err

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import json
 import logging
 import os
 import re
@@ -394,6 +395,13 @@ class S3Object:
                         self._client = self._session.client(  # type: ignore[union-attr]
                             "s3", endpoint_url=self.endpoint_url, config=Config(**kwargs)
                         )
+                except json.JSONDecodeError as exc:
+                    # Credentials are resolved here: a credential_process (or SSO cache file) whose
+                    # output is not JSON raised this bare, and was reported as a usage error.
+                    raise SourceError(
+                        f"{self.location}: loading AWS credentials{self._profile_words()} failed: not JSON "
+                        f"({exc}); check that profile's credential_process"
+                    ) from None
                 except ValueError as exc:  # botocore: "Invalid endpoint: 127.0.0.1:9000" (no scheme)
                     hint = " (an endpoint URL looks like http://host:port)" if "endpoint" in str(exc) else ""
                     raise UsageError(f"{_redact(str(exc))}{hint}") from None
@@ -401,6 +409,10 @@ class S3Object:
                     prefer_sigv4(self._client)
                 guard_sdk_logs()  # loggers of the modules the client brought in
             return self._client
+
+    def _profile_words(self) -> str:
+        name = self._profile or os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE")
+        return f" (profile {name!r})" if name else ""
 
     def _before_fork(self) -> None:
         # The optional first-bytes request may still be inside the SDK (a fork then would copy its
@@ -798,7 +810,8 @@ class S3Object:
             text = _redact(str(exc)).replace('endpoint URL: "None"', self.location)
             raise _Transient(f"{type(exc).__name__}: {text}") from None
         if isinstance(exc, BotoCoreError):
-            raise SourceError(f"{self.location}: {_redact(str(exc))}") from None
+            # One line: a failing credential_process has its stderr (newlines and all) quoted here.
+            raise SourceError(f"{self.location}: {' '.join(_redact(str(exc)).split())}") from None
 
     def _mark_changed(self, how: str) -> SourceChangedError:
         message = (
