@@ -13,6 +13,7 @@ import logging
 import operator
 import os
 import posixpath
+import secrets
 import threading
 import warnings
 import weakref
@@ -510,6 +511,7 @@ class Archive:
             return
         check_inside(root, out)
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        _remove_empty_dir(out)
         data = index.data_entry(eid)
         linked = written is not None and (eid in index.hardlink_of or data in index.nlink_extra)
         if linked and data in written and _hard_link(written[data], out):  # type: ignore[operator]
@@ -537,10 +539,20 @@ def _make_dir(out: str) -> None:
     os.makedirs(out, exist_ok=True)
 
 
+def _remove_empty_dir(out: str) -> None:
+    """An empty folder where a file or link goes is removed, as ``tar -x`` does (one with files
+    in it stays: the write then fails on it with "Is a directory")."""
+    if os.path.isdir(out) and not os.path.islink(out):
+        with contextlib.suppress(OSError):
+            os.rmdir(out)
+
+
 def _hard_link(existing: str, out: str) -> bool:
     """``out`` as another name of ``existing`` (a symlink itself, not what it points to), replacing
     what is there; False where the file system has no hard links (the caller writes a copy)."""
-    tmp = f"{out}.cdmlfs-link-{os.getpid()}"
+    # A short name beside it: the member's own name plus a suffix went over NAME_MAX (255 bytes)
+    # for long names, and the link silently became a copy.
+    tmp = os.path.join(os.path.dirname(out), f".cdmlfs-link-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         os.link(existing, tmp, follow_symlinks=False)
         os.replace(tmp, out)

@@ -1075,6 +1075,34 @@ def test_extract_keeps_hard_links_to_symlinks_and_replaces_a_file_in_a_folders_w
     assert (out / "gone" / "x").read_bytes() == b"X" and not (out / "gone").is_symlink()
 
 
+def test_extract_links_long_names_and_replaces_empty_folders_as_tar_does(tmp_path: Path) -> None:
+    """A hard link whose name was over ~236 bytes came out as an unrelated copy (the temporary name
+    beside it went over NAME_MAX), and an empty folder where a file or symlink goes stopped that
+    entry ("Is a directory") where `tar -x` replaces it."""
+    import subprocess
+
+    src = tmp_path / "src"
+    src.mkdir()
+    long = "h" * 240
+    (src / "a").write_bytes(b"data\n")
+    os.link(src / "a", src / long)
+    (src / "f").write_bytes(b"F\n")
+    os.symlink("f", src / "s")
+    tar = tmp_path / "a.tar"
+    subprocess.run(["tar", "-cf", str(tar), "-C", str(src), "a", long, "f", "s"], check=True)
+    out = tmp_path / "out"
+    for name in ("a", long, "f", "s"):
+        (out / name).mkdir(parents=True)
+    (out / "f" / "keep").write_bytes(b"")  # not empty: stays, and that entry fails
+    res = run_cli("extract", str(tar), ".", "-C", str(out))
+    lines = res.stderr.decode().splitlines()
+    assert res.returncode == 1 and len(lines) == 2 and lines[0].startswith("cdmlfs: f: Is a directory"), lines
+    a, h = os.lstat(out / "a"), os.lstat(out / long)
+    assert a.st_ino == h.st_ino and a.st_nlink == 2 and (out / long).read_bytes() == b"data\n"
+    assert os.readlink(out / "s") == "f" and (out / "f" / "keep").exists()
+    assert not [p for p in os.listdir(out) if p.startswith(".cdmlfs")]
+
+
 def test_cli_options_may_come_between_positionals(tmp_path: Path) -> None:
     """`ls data.zip -l sub` and `extract data.zip a -C out b` (as ls and tar take them) were refused
     with 'unrecognized arguments'; an option that is unknown still is, by the subcommand's parser."""
