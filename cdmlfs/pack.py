@@ -908,7 +908,8 @@ def pack(
                     os.stat(src)
                 except OSError as exc:
                     raise UsageError(f"{src}: {(exc.strerror or 'cannot stat it').lower()}") from None
-            if not remote and os.path.exists(out) and os.path.samefile(src, out):
+            # An output that is a symlink is replaced, not written through: one to the source is fine.
+            if not remote and not os.path.islink(out) and os.path.exists(out) and os.path.samefile(src, out):
                 raise UsageError("the output would overwrite the source")
             if remote or not os.path.isdir(src):
                 source, stream = _open_if_stream(src, archive_options, zstd=kind != "zip")

@@ -106,6 +106,26 @@ def test_refuses_to_overwrite_without_force(src: Path, tmp_path: Path) -> None:
     assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
 
 
+def test_force_replaces_a_symlink_to_the_source_without_writing_through_it(src: Path, tmp_path: Path) -> None:
+    """An output that is a symlink is replaced, not written through (README): one pointing at the
+    source was refused as 'the output would overwrite the source'."""
+    first = tmp_path / "first.tar.zst"
+    run_cli("pack", "-q", str(src), str(first), check=True)
+    before = first.read_bytes()
+    link = tmp_path / "link.tar.zst"
+    link.symlink_to(first.name)
+    res = run_cli("pack", "-q", str(first), str(link), "--force")
+    assert res.returncode == 0, res.stderr
+    assert not link.is_symlink() and first.read_bytes() == before
+    assert (
+        run_cli("ls", "-R", str(link), check=True).stdout
+        == run_cli("ls", "-R", str(first), check=True).stdout
+    )
+    # The same path as source and output (no link) is still refused.
+    res = run_cli("pack", "-q", str(first), str(first), "--force")
+    assert res.returncode == 2 and b"overwrite the source" in res.stderr
+
+
 @pytest.mark.parametrize("bad", ["o.rar", "o.tar.gz"])
 def test_unknown_output_format_is_a_usage_error(src: Path, tmp_path: Path, bad: str) -> None:
     res = run_cli("pack", str(src), str(tmp_path / bad))
