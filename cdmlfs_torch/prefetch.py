@@ -141,6 +141,10 @@ class GPUPrefetchLoader:
             and self._mean.numel() != self._std.numel()
         ):
             raise ValueError("mean and std must have the same number of channels (or one value)")
+        if self._std is not None and bool((self._std == 0).any()):  # torchvision's Normalize refuses it too
+            raise ValueError(
+                "std evaluated to zero after conversion to torch.float32, leading to division by zero."
+            )
         self._stats: dict[torch.device | None, tuple[Any, Any, Any]] = {}
         self._images_seen = mean is None and std is None  # nothing to check without them
         self._stream: torch.cuda.Stream | None = None

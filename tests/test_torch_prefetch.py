@@ -129,6 +129,10 @@ def test_float_images_chosen_by_is_image_are_not_changed_in_place() -> None:
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="same number of channels"):
         GPUPrefetchLoader(image_loader(), device="cpu", mean=(0.5, 0.5, 0.5), std=(0.5, 0.5))
+    # A zero std made every batch inf; torchvision's Normalize refuses it (1e-50 is 0 in float32).
+    for std in ((0.2, 0.0, 0.2), 1e-50):
+        with pytest.raises(ValueError, match="std evaluated to zero"):
+            GPUPrefetchLoader(image_loader(), device="cpu", mean=0.5, std=std)
     # One value stands for every channel, as torchvision's Normalize broadcasts it.
     x, _ = next(iter(GPUPrefetchLoader(image_loader(), device="cpu", mean=(0.5,), std=(0.25,))))
     x0, _ = next(iter(image_loader()))
