@@ -129,6 +129,24 @@ def test_hostile_names_through_the_api(tmp_path: Path) -> None:
         assert ar.read("long/" + long_name) == b"long"
 
 
+def test_a_zip_of_only_dropped_names_opens_empty(tmp_path: Path) -> None:
+    """A ZIP whose only entries are "./", "/" or "../" (names the rules drop) was refused as
+    'central directory has no readable entries'; unzip, zipfile and bsdtar list it as empty."""
+    archive = _raw_zip(
+        tmp_path / "dots.zip", [("./", b"", 0o040755), ("/", b"", 0o040755), ("../", b"", 0o040755)]
+    )
+    with cdmlfs.open(str(archive)) as ar:
+        assert ar.listdir("") == []
+    truncated = tmp_path / "lying.zip"  # an end record counting entries over an empty directory still fails
+    with zipfile.ZipFile(truncated, "w"):
+        pass
+    data = bytearray(truncated.read_bytes())
+    data[-12:-10] = data[-14:-12] = (3).to_bytes(2, "little")
+    truncated.write_bytes(bytes(data))
+    with pytest.raises(cdmlfs.ArchiveFormatError, match="no readable entries"):
+        cdmlfs.open(str(truncated))
+
+
 @pytest.mark.fuse
 def test_hostile_names_through_the_mount(tmp_path: Path, mnt: Path) -> None:
     archive = _raw_zip(tmp_path / "hostile.zip", HOSTILE)

@@ -194,7 +194,9 @@ class ZipFormat:
         if found != n_total and n_total not in (0xFFFF, 0xFFFFFFFF):
             log.warning("the ZIP central directory holds %d entries, its end record says %d", found, n_total)
         index = builder.finish()
-        if index.entry_count == 1 and n_total:
+        # Records that parsed but whose names the path rules drop ("./", "../") leave an empty tree,
+        # as unzip shows it: only a count with no record behind it is corrupt.
+        if found == 0 and n_total:
             raise ArchiveFormatError("corrupt ZIP: central directory has no readable entries")
         return index
 
