@@ -455,10 +455,16 @@ plain_run(PyObject *self, PyObject *args)
             Py_ssize_t blen;
             while (next_extra(extra, xlen, &xp, &hid, &body, &blen)) {
                 if (hid == 0x5455 && blen >= 5 && (body[0] & 1)) {
-                    /* zip.py ext_timestamp: unsigned, unless the DOS date is before 2038. */
+                    /* zip.py ext_timestamp: a top bit set counts only where the DOS time agrees. */
                     uint32_t v = le32(body + 1);
-                    ext = (v >> 31) && ((ddate >> 9) & 0x7F) + 1980 < 2038 ? (double)v - 4294967296.0 : (double)v;
+                    uint32_t dos = ((uint32_t)ddate << 16) | dtime;
                     have_ext = 1;
+                    if (!(v >> 31) || dos >= 0x74320000u)
+                        ext = (double)v;
+                    else if (dos == 0x00210000u)
+                        ext = (double)v - 4294967296.0;
+                    else
+                        have_ext = 0;
                 }
                 else if (hid == 0x000A) {
                     have_ntfs = ntfs_mtime(body, blen, &ntfs); /* the last NTFS field decides */

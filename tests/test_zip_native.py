@@ -160,7 +160,8 @@ CRAFTED = {
         _m("ext-noflag", extra=_ext_time(1_234_567_890, flags=2)),
         _m("ext-negative", extra=_ext_time(-5)),
         _m("ext-2040", extra=_ext_time(2_208_988_800), fields={"date": 60 << 9 | 1 << 5 | 1}),
-        _m("ext-1960", extra=_ext_time(-305_000_000), fields={"date": 0 << 9 | 1 << 5 | 1}),
+        _m("ext-1960", extra=_ext_time(-305_000_000), fields={"date": 0 << 9 | 1 << 5 | 1, "time": 0}),
+        _m("ext-1960-dos-noon", extra=_ext_time(-305_000_000), fields={"date": 0 << 9 | 1 << 5 | 1}),
         _m("ext-2106-dos-2107", extra=_ext_time(2**32 - 1), fields={"date": 0xFFFF}),
         _m("ext-short", extra=struct.pack("<HH", 0x5455, 3) + b"\x01\x02\x03"),
         _m("ext-4", extra=struct.pack("<HH", 0x5455, 4) + b"\x01\x02\x03\x04" + _ext_time(1)[:3]),
@@ -282,8 +283,10 @@ def test_crafted_records_parse_the_same(case, native_run, monkeypatch, caplog):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_extended_timestamps_past_2038_and_before_1970(native, monkeypatch, caplog):
-    """Info-ZIP writes the extended timestamp unsigned (2040 read as 1903 before); a negative one
-    is before 1970 when the DOS date says the time is before 2038, as unzip decides it."""
+    """Info-ZIP writes the extended timestamp unsigned (2040 read as 1903 before). As unzip decides
+    it, a value with its top bit set counts only where the DOS time agrees: from 2038-01-18 on
+    (unsigned) or at the 1980 minimum zip clamps earlier times to (before 1970); beside any other
+    DOS time it was read as a time before 1970 (1903 next to 2021) and the DOS time now stands."""
     if native and zipfmt.PLAIN_RUN is None:
         pytest.skip("cdmlfs._zipdir is not built")
     data = craft.build_zip([m for m in CRAFTED["times"] if m.name.startswith(b"ext")])
@@ -292,7 +295,8 @@ def test_extended_timestamps_past_2038_and_before_1970(native, monkeypatch, capl
     mtimes = dict(zip(snapshot["paths"], snapshot["mtime"]))
     assert mtimes["ext-2040"] == 2_208_988_800  # 2040-01-01 UTC
     assert mtimes["ext-1960"] == -305_000_000
-    assert mtimes["ext-negative"] == -5
+    assert mtimes["ext-negative"] == zipfmt._dos_to_epoch(craft.DOS_DATE, craft.DOS_TIME)  # 2021-06-15
+    assert mtimes["ext-1960-dos-noon"] == zipfmt._dos_to_epoch(0 << 9 | 1 << 5 | 1, 0x6000)
     assert mtimes["ext-2106-dos-2107"] == 2**32 - 1
     assert mtimes["ext"] == 1_234_567_890
 

@@ -277,7 +277,7 @@ class ZipFormat:
                     usize = csize = 0
                     loff = source_size
             if xlen:
-                mtime, upath = _time_and_unicode_path(extra, name_b, ddate)
+                mtime, upath = _time_and_unicode_path(extra, name_b, (ddate << 16) | dtime)
                 if upath is not None and not flags & FLAG_UTF8:
                     name = upath
             if mtime is None:
@@ -486,19 +486,28 @@ def _zip64_values(extra: bytes, usize: int, csize: int, loff: int) -> tuple[int,
     raise ValueError("its record needs a ZIP64 extra field but has none")
 
 
-def ext_timestamp(value: int, ddate: int) -> float:
-    """An extended-timestamp (0x5455) mtime: 32 bits whose sign writers disagree on.
-
-    Info-ZIP writes dates past 2038 there (unzip, zipinfo and libarchive read them back), so the
-    field is unsigned; a writer that stored a time before 1970 made it negative. Like unzip, the
-    entry's DOS date settles a value with its top bit set: from 2038 on it is past 2038; before
-    (a time before 1980 has the DOS date 1980-01-01), it is before 1970."""
-    if value >= 1 << 31 and 1980 + (ddate >> 9) < 2038:
-        value -= 1 << 32
-    return float(value)
+DOS_MINIMUM = 0x00210000  # 1980-01-01 00:00, the DOS time zip writes for anything earlier
+DOS_2038 = 0x74320000  # 2038-01-18 00:00
 
 
-def _time_and_unicode_path(extra: bytes, name_b: bytes, ddate: int) -> tuple[float | None, str | None]:
+def ext_timestamp(value: int, dos: int) -> float | None:
+    """An extended-timestamp (0x5455) mtime: 32 bits whose sign writers disagree on; None where
+    the entry's DOS time (``date << 16 | time``) contradicts it, and that is used instead.
+
+    As unzip: a value with its top bit set counts only where the DOS time agrees: past 2038
+    (Info-ZIP writes later dates there, unsigned) or the 1980 minimum (a time before 1970, which
+    zip clamps the DOS field to). Otherwise (say, 1903 beside a DOS date of 2000) the field is a
+    writer's error and the DOS time stands."""
+    if value < 1 << 31:
+        return float(value)
+    if dos >= DOS_2038:
+        return float(value)
+    if dos == DOS_MINIMUM:
+        return float(value - (1 << 32))
+    return None
+
+
+def _time_and_unicode_path(extra: bytes, name_b: bytes, dos: int) -> tuple[float | None, str | None]:
     """The mtime from the extra fields (NTFS, 100 ns, as 7-Zip writes it, over the extended
     timestamp's whole seconds), and the Info-ZIP unicode path; None where they have none."""
     mtime = ntfs = None
@@ -506,7 +515,7 @@ def _time_and_unicode_path(extra: bytes, name_b: bytes, ddate: int) -> tuple[flo
     for hid, body in _iter_extra(extra):
         if hid == EXTRA_EXT_TIMESTAMP and len(body) >= 5 and body[0] & 1:
             (value,) = struct.unpack_from("<I", body, 1)
-            mtime = ext_timestamp(value, ddate)
+            mtime = ext_timestamp(value, dos)
         elif hid == EXTRA_NTFS:
             ntfs = _ntfs_mtime(body)
         elif hid == EXTRA_UNICODE_PATH and len(body) >= 5 and body[0] == 1:
