@@ -335,6 +335,12 @@ class IndexBuilder:
                 self._index.mtime[0] = mtime
             return None
         if kind == SYMLINK:
+            if not size:
+                # No file system holds one (symlink("") is ENOENT; tar -x and unzip fail on it):
+                # listed, it was a link whose readlink gave EIO through the mount.
+                log.warning("skipping member %r: a symlink with an empty target", name)
+                self.dropped += 1
+                return None
             mode = 0o777  # what lstat shows for any symlink on Linux (tarfile stores 0644)
         lookup = self._index._lookup
         previous = lookup.get(path)

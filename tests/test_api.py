@@ -288,7 +288,8 @@ def test_cli_extract_of_a_folder_goes_on_past_a_bad_entry(tmp_path: Path) -> Non
     z = python_zip(tmp_path / "c.zip", files, zipfile.ZIP_DEFLATED)
     flip_byte_in_member(z, "train/cat/1.txt")
     out = tmp_path / "out"
-    (out / "train/dog/2.txt").mkdir(parents=True)  # a directory where a file goes
+    (out / "train/dog/2.txt").mkdir(parents=True)  # a directory where a file goes, not empty
+    (out / "train/dog/2.txt/keep").write_bytes(b"")
     res = run_cli("extract", str(z), "train", "-C", str(out))
     err = res.stderr.decode()
     assert res.returncode == 1, err
@@ -422,7 +423,7 @@ def test_odd_paths_resolve_as_the_kernel_resolves_them(tmp_path: Path) -> None:
         assert [ar.exists(p) for p in ("out", "empty", "sub/keep/x")] == [False, False, True]
         with pytest.raises(NotFoundError, match="outside the archive"):
             ar.read("out")
-        assert ar.stat("empty", follow_symlinks=False).is_symlink
+        assert "empty" not in ar.listdir("")  # no file system holds an empty link target: skipped
 
 
 def test_an_archive_dropped_without_close_lets_go_of_its_descriptor_and_threads(tmp_path: Path) -> None:
