@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import gc
 import hashlib
@@ -125,22 +126,18 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
             for warning in archive.open_warnings:
                 log.warning("when opened: %s", warning)
         if ready_fd is None and not log.isEnabledFor(logging.INFO):  # foreground: say it once
-            print(
+            _to_stderr(
                 f"cdmlfs: mounted {archive.location} on {opts.mountpoint}; "
-                f"Ctrl-C or 'cdmlfs umount {opts.mountpoint}' unmounts",
-                file=sys.stderr,
-                flush=True,
+                f"Ctrl-C or 'cdmlfs umount {opts.mountpoint}' unmounts\n"
             )
 
     mounted_once = []
-    # Foreground: libfuse's complaint about a bad -o went to the terminal and our error line
-    # followed it; held back until the mount is up, it becomes part of that one line.
-    held = _HeldStderr() if ready_fd is None else None
+    held: _HeldStderr | None = None
 
     def on_init() -> None:
         mounted_once.append(True)
         if held is not None:
-            sys.stderr.write(held.release())
+            _to_stderr(held.release())
         ready()
         archive.warm_up(decode_ahead=True)  # our readers are other processes
         if opts.readahead:
@@ -162,8 +159,11 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
     # libfuse's "remember" option needs its own loop (fuse_session_loop_remember).
     poll_us = 0 if multithreaded or "remember" in opts.fuse_options else opts.poll_us
     if opts.pid_file:
-        with open(opts.pid_file, "w") as f:
-            f.write(f"{os.getpid()}\n")
+        _write_pid_file(opts.pid_file)
+    # Foreground: libfuse's complaint about a bad -o went to the terminal and our error line
+    # followed it; held back until the mount is up, it becomes part of that one line. (Taken only
+    # here: a failure before this point must reach the terminal, not the held file.)
+    held = _HeldStderr() if ready_fd is None else None
     try:
         with (
             fuseloop.installed(mfusepy, poll_us) as polling,
@@ -189,7 +189,7 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
         log.info("unmounted %s", opts.mountpoint)
     finally:
         if held is not None:
-            sys.stderr.write(held.release())
+            _to_stderr(held.release())
         # libfuse has put back the default actions: a second SIGTERM (a process-group kill, tini -g)
         # would now end us with status 143 after a clean unmount. We are on our way out anyway.
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -200,6 +200,26 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
         if opts.pid_file and _pid_in(opts.pid_file) == os.getpid():
             with contextlib.suppress(OSError):
                 os.unlink(opts.pid_file)
+
+
+def _to_stderr(text: str) -> None:
+    """A notice on stderr that may be gone or full (2>/dev/full): never a reason to stop serving
+    (raised inside libfuse's init, it skipped the warm-up) or to fail a clean unmount."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+
+def _write_pid_file(pid_file: str) -> None:
+    """Our pid, or an error naming the file; a file left half-written (a full disk) is removed."""
+    try:
+        with open(pid_file, "w") as f:
+            f.write(f"{os.getpid()}\n")
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            if os.path.isfile(pid_file) and os.path.getsize(pid_file) == 0:
+                os.unlink(pid_file)
+        raise CdmlfsError(f"cannot write the pid file {pid_file}: {exc.strerror or exc}") from None
 
 
 def _fuse_kwargs(archive: Archive, opts: ServeOptions, fuse_major: int, multithreaded: bool) -> dict:
@@ -327,10 +347,13 @@ def check_log_file(log_file: str, default: bool) -> None:
     log's folder is made by :func:`_state_dir`)."""
     what = f"daemon log {log_file} (set --log-file)" if default else f"--log-file {log_file}"
     _check_file_to_write(log_file, what)
-    try:
-        with open(log_file, "a"):
-            pass
+    try:  # without blocking: opening a FIFO no process reads waited forever
+        os.close(
+            os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY, 0o644)
+        )
     except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise UsageError(f"{what}: a FIFO that no process reads") from None
         raise UsageError(f"{what}: cannot write it ({exc.strerror})") from None
 
 
@@ -467,7 +490,7 @@ def mount_daemon(
         os.close(rfd)
     if ok:
         if verbose:
-            print(f"cdmlfs: mounted {archive.location} on {opts.mountpoint} (pid {pid}, log {log_file})")
+            _notice(f"cdmlfs: mounted {archive.location} on {opts.mountpoint} (pid {pid}, log {log_file})")
         return 0
     reason = _last_log_line(log_file, log_start)
     if waited == "timeout":  # the daemon is stopped below: say so, not that it exited
@@ -477,6 +500,18 @@ def mount_daemon(
     _abandon(pid, opts.mountpoint, exited=reaped)
     print(f"cdmlfs: mount failed: {reason} (log: {log_file})", file=sys.stderr)
     return 1
+
+
+def _notice(text: str) -> None:
+    """A line on stdout that may be full (>/dev/full): the mount is up, so the command succeeded
+    (it exited 1 and left the mount behind); what is still buffered goes nowhere at exit."""
+    try:
+        print(text, flush=True)
+    except OSError:
+        with contextlib.suppress(OSError, ValueError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, sys.stdout.fileno())
+            os.close(null)
 
 
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
@@ -613,13 +648,27 @@ def libfuse_complaints(lines: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(ln for ln in stripped if any(w in ln for w in said) and "ERROR" not in ln))
 
 
+LOG_TAIL = 64 << 10  # the most of a failed daemon's log read back for its last line
+
+
 def _last_log_line(path: str, start: int) -> str:
+    """The line that says why a daemon failed, from what it logged since ``start``. Only a regular
+    file is read, and only its tail: a log on /dev/full read zeros until memory ran out."""
     try:
-        with open(path, "rb") as f:
-            f.seek(start)
-            lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError:
         return ""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return ""
+        at = max(start, st.st_size - LOG_TAIL)
+        text = os.pread(fd, max(0, st.st_size - at), at).decode("utf-8", "replace")
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     complaints = libfuse_complaints(lines)  # fusermount mounts for a user who is not root
     if complaints:
         return "; ".join(complaints)

@@ -168,15 +168,15 @@ def check_mountpoint(path: str, allow_nonempty: bool = False) -> str:
 
 
 def unmount(path: str, timeout: float = 10.0, lazy: bool = True) -> None:
-    """Unmount a cdmlfs (or any FUSE) mount, live or dead; lazy unmount as the last resort.
+    """Unmount a cdmlfs mount, live or dead; lazy unmount as the last resort.
 
     ``lazy=False`` (``cdmlfs umount`` without ``--lazy``): a live mount that is
     busy (a process has a file open or its working directory inside) is not
     detached behind its users' backs: the call fails and says so. A dead mount
     is always detached, lazily if it must: nothing can be read from it anyway.
 
-    Anything else mounted there (a tmpfs, a disk, a bind mount) is refused: as
-    root, ``umount`` would take it down too.
+    Anything else mounted there (another FUSE file system, a tmpfs, a disk, a bind
+    mount) is refused: as root, ``umount`` would take it down too.
     """
     # Nothing here may wait on a daemon without a time limit: resolving a path inside a stopped
     # daemon's mount (a folder of it given by mistake) never returned, nor did a statvfs there.
@@ -212,6 +212,11 @@ def unmount(path: str, timeout: float = 10.0, lazy: bool = True) -> None:
             parent = os.path.dirname(parent)
     if entry is not None and not _is_fuse(entry["fstype"]):
         raise UsageError(f"{path}: not a FUSE mount ({entry['fstype']}); unmount it with umount yourself")
+    if entry is not None and entry["fstype"] != "fuse.cdmlfs":  # every cdmlfs mount has that subtype
+        raise UsageError(
+            f"{path}: not a cdmlfs mount ({entry['fstype']}, {entry['source']}); unmount it with "
+            "fusermount -u yourself"
+        )
     # Wait for this mount to go, not for the path to be no mount point at all: a cdmlfs mount
     # stacked on a bind mount or tmpfs leaves that one there, and must not take it down too.
     mount_id = (entry["id"], entry["mountpoint"]) if entry is not None else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gzip
 import multiprocessing
@@ -630,6 +631,101 @@ def test_umount_refuses_what_is_not_fuse(tmp_path: Path) -> None:
             assert is_mounted(target)
         finally:
             subprocess.run(["umount", str(target)], check=False)
+
+
+TOY_FS = """
+import errno, sys
+import mfusepy
+
+class Toy(mfusepy.Operations):
+    def getattr(self, path, fh=None):
+        if path == "/":
+            return {"st_mode": 0o40755, "st_nlink": 2}
+        raise mfusepy.FuseOSError(errno.ENOENT)
+
+    def readdir(self, path, fh):
+        return [".", ".."]
+
+mfusepy.FUSE(Toy(), sys.argv[1], foreground=True, fsname="toy", subtype="toy")
+"""
+
+
+def test_umount_refuses_another_fuse_file_system(mnt: Path) -> None:
+    """`cdmlfs umount` took down any FUSE mount (an sshfs given by mistake, say): only its own go."""
+    proc = subprocess.Popen([sys.executable, "-c", TOY_FS, str(mnt)], stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not is_mounted(mnt):
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stderr.read() if proc.stderr else ""
+            )
+            time.sleep(0.05)
+        for extra in ([], ["--lazy"]):
+            res = run_cli("umount", *extra, str(mnt), timeout=60)
+            err = res.stderr.decode()
+            assert res.returncode == 2 and "not a cdmlfs mount (fuse.toy" in err and "fusermount -u" in err, (
+                err
+            )
+            assert is_mounted(mnt)
+    finally:
+        force_unmount(mnt)
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_mount_with_its_files_full_or_odd(tmp_path: Path, mnt: Path) -> None:
+    """A pid file on a full disk: the foreground mount failed without a word (stderr was still held
+    for libfuse) and both modes left an empty pid file. A log on /dev/full read back for the failure's
+    reason grew until memory ran out; a FIFO nobody reads as the log hung. `mount -v >/dev/full`
+    exited 1 with the mount up; `mount -f 2>/dev/full` skipped its start-up work and exited 1."""
+    import resource
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    good = python_zip(tmp_path / "good.zip", {"a.txt": b"A\n"})
+    full = tmp_path / "full"
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "cdmlfs-test", str(full)], check=True)
+    try:
+        with contextlib.suppress(OSError), open(full / "fill", "wb") as f:
+            f.write(b"\0" * (1 << 20))
+        for fg in ([], ["-f"]):
+            res = run_cli("mount", *fg, "--pid-file", str(full / "p.pid"), str(good), str(mnt), timeout=60)
+            err = res.stderr.decode()
+            assert res.returncode == 1 and "pid file" in err and "No space left" in err, (fg, err)
+            assert not is_mounted(mnt) and not (full / "p.pid").exists(), fg
+    finally:
+        subprocess.run(["umount", str(full)], check=False)
+
+    def limited() -> None:  # the old read of /dev/full took all memory: fail fast instead
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    res = run_cli("mount", "--log-file", "/dev/full", "-o", "bogus", str(good), str(mnt), preexec_fn=limited)
+    err = res.stderr.decode()
+    assert res.returncode == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    fifo = tmp_path / "log.fifo"
+    os.mkfifo(fifo)
+    res = run_cli("mount", "--log-file", str(fifo), str(good), str(mnt), timeout=30)
+    assert res.returncode == 2 and b"FIFO that no process reads" in res.stderr, res.stderr
+    assert not is_mounted(mnt)
+    with open("/dev/full", "w") as devfull:
+        res = subprocess.run([*CDMLFS, "mount", "-v", str(good), str(mnt)], stdout=devfull, timeout=60)
+    assert res.returncode == 0 and is_mounted(mnt)
+    run_cli("umount", str(mnt), check=True)
+    with open("/dev/full", "w") as devfull:
+        proc = subprocess.Popen([*CDMLFS, "mount", "-f", str(good), str(mnt)], stderr=devfull)
+    try:
+        deadline = time.monotonic() + 30
+        while not is_mounted(mnt) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (mnt / "a.txt").read_bytes() == b"A\n"
+        time.sleep(0.5)  # past the start-up work (a notice on the full stderr raised inside it)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not is_mounted(mnt)
 
 
 def test_umount_of_a_folder_inside_a_live_mount_names_the_mount(tmp_path: Path, mnt: Path) -> None:
