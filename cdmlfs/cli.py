@@ -216,7 +216,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
     inherited = inherited_fds()  # before cdmlfs opens anything: what the daemon must not keep
     fuse_options = parse_fuse_options(args.options or [])
-    nonempty = bool(fuse_options.pop("nonempty", False))
+    nonempty = fuse_options.pop("nonempty", False)
+    if nonempty is not True and nonempty is not False:  # "nonempty=0" was taken as yes
+        raise UsageError(f"-o nonempty takes no value (got nonempty={nonempty})")
     if args.cache_size < (16 << 20):
         raise UsageError("--cache-size must be at least 16M")
     memory = _memory_available_to_us()

@@ -225,7 +225,8 @@ def _write_pid_file(pid_file: str) -> None:
 def _fuse_kwargs(archive: Archive, opts: ServeOptions, fuse_major: int, multithreaded: bool) -> dict:
     """The options mfusepy passes to libfuse: read-only, permissions checked by the kernel."""
     kwargs: dict = {
-        "fsname": f"cdmlfs:{archive.location}".replace(",", "_"),
+        # libfuse splits options at commas and takes a backslash as an escape (a\b.zip showed as ab.zip).
+        "fsname": f"cdmlfs:{archive.location}".replace("\\", "\\\\").replace(",", "_"),
         "subtype": "cdmlfs",
         "ro": True,
         "default_permissions": True,
@@ -317,18 +318,25 @@ def claim_mountpoint(mountpoint: str, notice_after: float = 1.0) -> int | None:
     mount answers, and from then on the mount table says the directory is taken
     (so a lazily unmounted daemon, or one in another mount namespace, blocks
     nothing). The caller checks the mount point after this returns. The lock is
-    an open file description with ``flock``: a forked daemon shares it and the
-    kernel drops it when its last holder exits. Returns the fd, or None where no
-    lock file can be made (a read-only home): the mount then goes ahead without.
+    an open file description of the directory with ``flock``: a forked daemon
+    shares it and the kernel drops it when its last holder exits. Returns the fd,
+    or None where no lock can be had (an unreadable directory and a read-only
+    home): the mount then goes ahead without.
     """
-    lock_dir = os.path.join(_state_dir(), "locks")
-    name = hashlib.sha1(os.fsencode(os.path.realpath(mountpoint))).hexdigest()[:20] + ".lock"
     try:
-        os.makedirs(lock_dir, exist_ok=True)
-        fd = os.open(os.path.join(lock_dir, name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        log.debug("no mount point lock (%s)", exc)
-        return None
+        # The directory itself: seen by every mount command, whatever its user's state folder
+        # (sudo and sudo -H, two containers sharing the folder stacked two mounts with a lock file
+        # per state folder).
+        fd = os.open(mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:  # no read permission on it: a lock file in our state folder instead
+        lock_dir = os.path.join(_state_dir(), "locks")
+        name = hashlib.sha1(os.fsencode(os.path.realpath(mountpoint))).hexdigest()[:20] + ".lock"
+        try:
+            os.makedirs(lock_dir, exist_ok=True)
+            fd = os.open(os.path.join(lock_dir, name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            log.debug("no mount point lock (%s)", exc)
+            return None
     started = time.monotonic()
     noticed = False
     while True:

@@ -278,6 +278,7 @@ def test_cli_errors_are_one_line_and_leave_no_mount(tmp_path: Path, mnt: Path) -
         ("mount", str(tmp_path / "missing.zip"), str(mnt)),
         ("mount", str(good), str(tmp_path / "no-such-dir")),
         ("mount", str(good), str(nonempty)),
+        ("mount", str(good), str(nonempty), "-o", "nonempty=0"),  # was taken as -o nonempty
         ("mount", str(good), str(mnt), "--cache-size", "lots"),
         ("mount", str(good), str(mnt), "--cache-size", "99999T"),  # no bound at all
         ("mount", str(good), str(good)),
@@ -334,10 +335,13 @@ def test_a_mount_that_never_comes_up_is_reported_as_a_timeout(tmp_path: Path, mn
 
 def test_two_mounts_racing_for_one_directory_make_one_mount(tmp_path: Path, mnt: Path) -> None:
     """Both checked "not mounted" before their (slow) archive open, then both mounted: a stacked,
-    hidden mount and a second daemon. The mount point lock lets one through."""
+    hidden mount and a second daemon. The mount point lock lets one through, also for commands
+    with different state folders (sudo and sudo -H, two containers sharing the directory), which
+    each took a lock file of their own and stacked two mounts."""
     good = python_zip(tmp_path / "good.zip", sample_files())
     cmd = [sys.executable, "-m", "cdmlfs", "mount", str(good), str(mnt)]
-    procs = [subprocess.Popen(cmd, stderr=subprocess.PIPE) for _ in range(2)]
+    envs = [{**os.environ, "XDG_STATE_HOME": str(tmp_path / f"state{i}")} for i in range(2)]
+    procs = [subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env) for env in envs]
     try:
         results = [(p.wait(timeout=60), p.stderr.read().decode()) for p in procs]
         assert sorted(code for code, _ in results) == [0, 2], results
@@ -347,6 +351,16 @@ def test_two_mounts_racing_for_one_directory_make_one_mount(tmp_path: Path, mnt:
     finally:
         run_cli("umount", str(mnt))
     assert not is_mounted(mnt)
+
+
+def test_an_archive_name_with_a_backslash_names_its_mount(tmp_path: Path, mnt: Path) -> None:
+    """libfuse takes a backslash in -o fsname as an escape: a\\b.zip showed as ab.zip in df and
+    in "already mounted (...)" errors, naming another file."""
+    odd = python_zip(tmp_path / "a\\b,c.zip", {"x.txt": b"x"})
+    with mounted(odd, mnt):
+        res = run_cli("mount", str(odd), str(mnt))
+        err = res.stderr.decode()
+        assert res.returncode == 2 and f"(cdmlfs:{tmp_path}/a\\b_c.zip)" in err, err  # commas: _
 
 
 def test_remount_after_a_lazy_unmount_is_not_blocked(tmp_path: Path, mnt: Path) -> None:
