@@ -595,7 +595,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
         if isinstance(exc, TimeoutError):
             hint = busy(mountpoint)
         elif exc.errno == errno.ENOTCONN:
-            hint = f" (its daemon is gone: 'cdmlfs umount {mountpoint}' clears it; the log says why)"
+            # A daemon killed outright (SIGKILL, the OOM killer) logged nothing about it.
+            hint = (
+                f" (its daemon is gone: 'cdmlfs umount {mountpoint}' clears it; why: the end of its log, "
+                "and for a kill by the OOM killer, dmesg)"
+            )
         elif exc.errno == errno.ENOTTY:
             hint = " (its daemon does not answer this request: an older cdmlfs? remount to update it)"
         raise CdmlfsError(f"{args.mountpoint}: cannot read stats: {exc.strerror}{hint}") from None
@@ -875,9 +879,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except BrokenPipeError:
         return 0
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print("cdmlfs: interrupted", file=sys.stderr)
-        return 130
+        return getattr(exc, "status", 130)  # 128 + the signal (mount's wait: daemon.Stopped)
     except OSError as exc:
         if args.verbose:
             log.exception("failed")

@@ -525,10 +525,19 @@ def _notice(text: str) -> None:
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
+class Stopped(KeyboardInterrupt):
+    """A stop signal while the mount command waits: unwinds as Ctrl-C does, and exits with the
+    status a kill by that signal gives (143 for SIGTERM, as extract and pack do; it was 130)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.status = 128 + signum
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     # The first stop signal decides: a second one must not interrupt the clean-up it starts.
     _ignore_stop_signals(_STOP_SIGNALS)
-    raise KeyboardInterrupt
+    raise Stopped(signum)
 
 
 def _ignore_stop_signals(signals) -> None:

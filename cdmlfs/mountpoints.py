@@ -199,7 +199,7 @@ def unmount(path: str, timeout: float = 10.0, lazy: bool = True) -> None:
             above = None
         if above is not None and above["fstype"] == "fuse.cdmlfs":  # not the / of fuse-overlayfs
             mp = above["mountpoint"]
-            raise UsageError(f"{path}: not a mount point but a folder inside {mp}; run 'cdmlfs umount {mp}'")
+            raise UsageError(f"{path}: not a mount point but a path inside {mp}; run 'cdmlfs umount {mp}'")
         raise UsageError(f"{path}: not mounted")
     if entry is None:  # dead, but not a mount point itself: a path inside a dead mount?
         parent = os.path.dirname(target)
