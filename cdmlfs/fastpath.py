@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 from array import array
@@ -76,6 +77,11 @@ def build_table(archive: Archive):
         os.getgid(),
         reader.whole_limit,
     )
+    stamp = getattr(archive.source, "stamp", None)
+    source_fd = archive.source.fileno()
+    if stamp is not None and source_fd is not None and hasattr(table, "set_source_stamp"):
+        table.set_source_stamp(source_fd, *stamp)  # a file written in place: C reads go to Python
+        archive.source.on_restamp.append(functools.partial(table.set_source_stamp, source_fd))  # a touch
     # The tree for readdir in C: each directory's children (in listing order, see
     # IndexBuilder.finish) as a run of one array.
     start = array("I", bytes(4 * n))

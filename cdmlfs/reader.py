@@ -151,6 +151,8 @@ class ExtentReader:
             self.stream, "member_bytes", None
         )
         self._source_read_into = getattr(fmt.source, "read_into", None)
+        # After every read: a local file written in place fails its reads (LocalFile.check_unchanged).
+        self._check_source: Callable[[], None] | None = getattr(fmt.source, "check_unchanged", None)
         self._closed = False
         if self.stream is not None and hasattr(self.stream, "bound_extents"):
             # A container extent (a whole zstd frame) is reserved in one piece: it must fit this cache.
@@ -230,11 +232,21 @@ class ExtentReader:
                 if isinstance(exc, MemberError) and exc.member is None:
                     exc.member = ix.paths[eid]
                 raise
+            self._source_unchanged()
             return n
-        data = self.view(eid, offset, size)
+        data = self._view(eid, offset, size)
         n = len(data)
         out[:n] = data
+        self._source_unchanged()
         return n
+
+    def _source_unchanged(self) -> None:
+        if self._check_source is not None:
+            try:
+                self._check_source()
+            except SourceError as exc:
+                self._raise_if_closed_meanwhile(exc)
+                raise
 
     def _stored_into(self, eid: int, at: int, dst: memoryview) -> None:
         n = len(dst)
@@ -270,6 +282,11 @@ class ExtentReader:
 
     def view(self, eid: int, offset: int, size: int) -> bytes | memoryview:
         """Bytes or a memoryview into a cached extent (no copy); the caller must not keep it long."""
+        data = self._view(eid, offset, size)
+        self._source_unchanged()
+        return data
+
+    def _view(self, eid: int, offset: int, size: int) -> bytes | memoryview:
         self._check(offset)
         ix = self.index
         if ix.hardlink_of:

@@ -83,6 +83,10 @@ typedef struct {
     uint64_t mask;
     int fd;
     int64_t file_size;
+    /* The archive file as opened (set_source_stamp): a read served here checks it is unchanged,
+     * as LocalFile.check_unchanged does for Python's reads; has_stamp 0: nothing to check. */
+    int has_stamp, stamp_fd;
+    int64_t stamp_size, stamp_sec, stamp_nsec;
     uint32_t uid, gid;
     int64_t whole_limit;
     getattr_fn py_getattr;
@@ -426,6 +430,21 @@ read_hot(FastPath *t, Py_ssize_t e, char *buf, size_t size, off_t off, uint64_t 
     return (int)n;
 }
 
+/* Whether the archive was written in place since it was opened (its size or mtime moved). A read
+ * served here then goes to Python, which fails it (and every later one) and logs why. Checked after
+ * the read: a write moves the mtime before its data lands, so a read it touched sees the change. */
+static int
+source_changed(const FastPath *t)
+{
+    if (!t->has_stamp)
+        return 0;
+    struct stat st;
+    if (fstat(t->stamp_fd, &st) != 0)
+        return 1;
+    return (int64_t)st.st_size != t->stamp_size || (int64_t)st.st_mtim.tv_sec != t->stamp_sec ||
+           (int64_t)st.st_mtim.tv_nsec != t->stamp_nsec;
+}
+
 static int
 fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
 {
@@ -445,7 +464,7 @@ fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
         /* A sound frame does not vouch for a member's own CRC: checked before its first byte. */
         int check = (COL(t, COL_FLAGS, uint8_t)[e] & F_MEMBER_CRC) && state != V_VERIFIED;
         int n = read_hot(t, e, buf, size, off, total, check);
-        if (n >= 0)
+        if (n >= 0 && !source_changed(t))
             return n;
         goto slow;
     }
@@ -470,9 +489,13 @@ fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
                 goto slow;
             if (pread_full(t->fd, buf, total, data_at) != 0 || cdmlfs_crc32(0, buf, total) != crc)
                 goto slow; /* Python re-reads, reports and logs */
+            if (source_changed(t))
+                goto slow;
             verified[e] = V_VERIFIED;
             from_source = total;
         }
+        if (source_changed(t))
+            goto slow;
         atomic_fetch_add_explicit(&t->read_fast, 1, memory_order_relaxed);
         atomic_fetch_add_explicit(&t->bytes_fast, n, memory_order_relaxed);
         atomic_fetch_add_explicit(&t->bytes_source, from_source, memory_order_relaxed);
@@ -502,7 +525,7 @@ fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
              used == comp && cdmlfs_crc32(0, buf, total) == crc;
     if (in != stackbuf)
         free(in);
-    if (!ok)
+    if (!ok || source_changed(t))
         goto slow;
     atomic_fetch_add_explicit(&t->read_fast, 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&t->bytes_fast, total, memory_order_relaxed);
@@ -832,6 +855,21 @@ FastPath_nbytes(FastPath *self, void *Py_UNUSED(closure))
     return PyLong_FromUnsignedLongLong((self->mask + 1) * sizeof(uint64_t) + (unsigned long long)self->n * sizeof(char *));
 }
 
+static PyObject *
+FastPath_set_source_stamp(FastPath *self, PyObject *args)
+{
+    int fd;
+    long long size, mtime_ns;
+    if (!PyArg_ParseTuple(args, "iLL", &fd, &size, &mtime_ns))
+        return NULL;
+    self->stamp_fd = fd;
+    self->stamp_size = size;
+    self->stamp_sec = mtime_ns >= 0 ? mtime_ns / 1000000000LL : -((-mtime_ns + 999999999LL) / 1000000000LL);
+    self->stamp_nsec = mtime_ns - self->stamp_sec * 1000000000LL;
+    self->has_stamp = fd >= 0;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef FastPath_methods[] = {
     {"activate", (PyCFunction)FastPath_activate, METH_VARARGS,
      "activate(getattr, read[, ioctl[, readdir[, stats_request]]] fallbacks) -> the C callbacks' addresses\n"
@@ -843,6 +881,8 @@ static PyMethodDef FastPath_methods[] = {
      "add_hot(start, data): serve reads inside this container-stream extent (any buffer) in C"},
     {"drop_hot", (PyCFunction)FastPath_drop_hot, METH_VARARGS,
      "drop_hot(start) -> bool: stop serving from the extent at `start` and release it"},
+    {"set_source_stamp", (PyCFunction)FastPath_set_source_stamp, METH_VARARGS,
+     "set_source_stamp(fd, size, mtime_ns): fall back to Python for reads once the archive file changed"},
     {"stats", (PyCFunction)FastPath_stats, METH_NOARGS, "Counters of requests served in C and passed on."},
     {NULL},
 };

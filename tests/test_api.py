@@ -1132,3 +1132,34 @@ def test_cli_extract_listing_to_a_full_stdout_blames_stdout(tmp_path: Path) -> N
         res = subprocess.run(args, stdout=full, stderr=subprocess.PIPE, timeout=60)
     last = res.stderr.decode().strip().splitlines()[-1]
     assert res.returncode == 1 and "standard output" in last and str(tmp_path / "out") not in last, last
+
+
+def test_reads_of_an_archive_written_in_place_fail(tmp_path: Path) -> None:
+    """The API's reads check the file as the mount's do: after an in-place write of other bytes
+    (here in a packed tar.zst: a frame read again from the changed file), every read fails with
+    SourceChangedError rather than mix bytes; reopening reads the new file. A touch (the same
+    bytes) is let be."""
+    from cdmlfs.errors import SourceChangedError
+    from cdmlfs.pack import pack
+
+    (tmp_path / "d").mkdir()
+    data = {f"f{i}.txt": text_bytes(200_000, i) for i in range(4)}
+    for name, blob in data.items():
+        (tmp_path / "d" / name).write_bytes(blob)
+    packed = tmp_path / "t.tar.zst"
+    pack(str(tmp_path / "d"), str(packed), frame_size=256 << 10)
+    with cdmlfs.open(str(packed)) as ar:
+        assert ar.read("f0.txt") == data["f0.txt"]
+        os.utime(packed, (time.time() + 5,) * 2)  # a touch: the same bytes
+        assert ar.read("f1.txt") == data["f1.txt"]
+        with open(packed, "r+b") as f:  # other bytes (a frame's checksum would not catch them all)
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 1]))
+        os.utime(packed, (time.time() + 10,) * 2)
+        for name in ("f0.txt", "f3.txt"):
+            with pytest.raises(SourceChangedError, match="written to after it was opened"):
+                ar.read(name)
+    with cdmlfs.open(str(packed)) as ar:
+        assert ar.read("f3.txt") == data["f3.txt"]

@@ -20,7 +20,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from archives import flip_byte_in_member, stored_zip_with_a_flipped_byte, text_bytes
+from archives import flip_byte_in_member, python_zip, stored_zip_with_a_flipped_byte, text_bytes
 from fuzz import craft
 from mountutil import cpu_seconds, daemon_pid, hwm_kib, is_mounted, mount_stats, mounted, rss_kib, run_cli
 from test_hostile import FILE_ABC, _base256, _pax, _tar_block, zeros_member
@@ -275,10 +275,19 @@ def test_a_member_that_failed_stays_eio_when_its_bytes_come_back(
     with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as zf:
         for name, content in data.items():
             zf.writestr(name, content)
-    with mounted(archive, mnt):
+    # Size and mtime put back after each write: a file written in place fails every read of it
+    # (LocalFile.check_unchanged), which would hide what this checks; one edited behind that
+    # check's back, as here, is what the per-member rule is left to guard.
+    stamp = os.stat(archive)
+
+    def flip_unseen() -> None:
         flip_byte_in_member(archive, "victim.txt")
+        os.utime(archive, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+
+    with mounted(archive, mnt):
+        flip_unseen()
         assert read_bounded(mnt / "victim.txt", 0, 1 << 17) == errno.EIO
-        flip_byte_in_member(archive, "victim.txt")  # the same byte flipped back: the CRC matches again
+        flip_unseen()  # the same byte flipped back: the CRC matches again
         with zipfile.ZipFile(archive) as zf:
             assert zf.read("victim.txt") == data["victim.txt"]
         for _ in range(2):
@@ -527,3 +536,62 @@ def test_a_zip_symlink_target_with_a_nul_reads_as_lstat_says(tmp_path: Path, mnt
     with mounted(archive, mnt):
         assert os.readlink(mnt / "lnk") == "abc_def"
         assert os.lstat(mnt / "lnk").st_size == len("abc_def")
+
+
+def _data_start(archive: Path, name: str) -> tuple[int, int]:
+    """Where a ZIP member's data starts in the file, and its compressed size."""
+    with zipfile.ZipFile(archive) as zf:
+        info = zf.getinfo(name)
+    with open(archive, "rb") as f:
+        f.seek(info.header_offset + 26)
+        nlen, xlen = struct.unpack("<HH", f.read(4))
+    return info.header_offset + 30 + nlen + xlen, info.compress_size
+
+
+def test_an_archive_written_in_place_while_mounted_fails_its_reads(
+    tmp_path: Path, mnt: Path, both_paths
+) -> None:
+    """An archive rewritten in place under a mount served wrong bytes without an error: a stored
+    member whose CRC was checked once was read from the file unchecked after, and a large deflated
+    member's intervals decoded again from the changed file. Once the file's size moves, or its
+    mtime with other bytes, every read fails (EIO and a log line saying to remount); a chmod or a
+    touch (the same bytes) changes nothing."""
+    small, other = text_bytes(300_000, 1), text_bytes(300_000, 3)
+    big = text_bytes(6 << 20, 2)  # above cache/4: read in checkpointed intervals, not whole
+    stored = python_zip(tmp_path / "s.zip", {"small.txt": small, "ok.txt": b"fine"}, zipfile.ZIP_STORED)
+    same_size = python_zip(tmp_path / "s2.zip", {"small.txt": other, "ok.txt": b"FINE"}, zipfile.ZIP_STORED)
+    deflated = python_zip(tmp_path / "d.zip", {"big.txt": big})
+    assert stored.stat().st_size == same_size.stat().st_size
+    log = tmp_path / "mount.log"
+    opts = ("--cache-size", "16M", "--direct-io-min", "1", "--log-file", str(log))
+
+    def fails(path: Path, data: bytes) -> None:
+        with open(path, "rb") as f:
+            try:
+                got = f.read()
+            except OSError as exc:
+                assert exc.errno == errno.EIO, exc
+                return
+        same = "the same" if got == data else "other"
+        raise AssertionError(f"{path.name}: read after an in-place write gave {same} bytes, no error")
+
+    with mounted(stored, mnt, *opts):
+        assert (mnt / "small.txt").read_bytes() == small  # checked whole, then marked verified
+        os.chmod(stored, 0o600)  # the ctime moves, the bytes do not
+        os.utime(stored, (time.time() + 5,) * 2)  # a touch
+        assert (mnt / "small.txt").read_bytes() == small
+        with open(stored, "r+b") as f:  # cp s2.zip s.zip: another archive of the same size
+            f.write(same_size.read_bytes())
+        fails(mnt / "small.txt", small)
+        fails(mnt / "ok.txt", b"fine")
+    with mounted(deflated, mnt, *opts):
+        assert (mnt / "big.txt").read_bytes() == big
+        start, comp = _data_start(deflated, "big.txt")
+        with open(deflated, "r+b") as f:  # other bytes mid-member, and the file grows
+            f.seek(start + comp * 6 // 10)
+            f.write(os.urandom(4096))
+            f.seek(0, os.SEEK_END)
+            f.write(b"appended")
+        fails(mnt / "big.txt", big)
+    text = log.read_text()
+    assert "was written to after it was opened" in text and "remount" in text, text

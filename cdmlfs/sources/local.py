@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import stat
 import threading
 from collections import deque
+from collections.abc import Callable
 
 from cdmlfs import forksafe
-from cdmlfs.errors import ArchiveNotFoundError, SourceError, UsageError
+from cdmlfs.errors import ArchiveNotFoundError, SourceChangedError, SourceError, UsageError
 from cdmlfs.sources.base import SourceIdentity
 
 FINGERPRINT_END = 64 << 10  # bytes hashed at each end of the file (see _fingerprint)
@@ -19,6 +21,8 @@ FINGERPRINT_SAMPLE = 4 << 10  # and at 16 places between
 # on EINVAL would have dropped every later one).
 _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 RETIRED_MAX = 64  # descriptor numbers of closed files kept pointing at /dev/null (see LocalFile.close)
+
+log = logging.getLogger(__name__)
 
 
 class LocalFile:
@@ -71,6 +75,15 @@ class LocalFile:
         self._index_identity: SourceIdentity | None = None
         self.mtime = st.st_mtime
         self.bytes_read = 0  # through read_at (for cdmlfs stats)
+        # What a write in place changes (see check_unchanged); a block device keeps no such record.
+        self.stamp: tuple[int, int] | None = None
+        self._sampled = ""  # _fingerprint at open: tells a touch from a write of other bytes
+        if stat.S_ISREG(st.st_mode):
+            self.stamp = (st.st_size, st.st_mtime_ns)
+            self._sampled = _fingerprint(fd, self.size)
+        self.on_restamp: list[Callable[[int, int], object]] = []  # told a new (size, mtime) kept
+        self._changed: str | None = None
+        self._stamp_lock = threading.Lock()
 
     def fileno(self) -> int | None:
         return self._fd
@@ -79,7 +92,7 @@ class LocalFile:
         """What keys this file's saved index: ``identity`` with a hash of sampled bytes (see
         ``_fingerprint``), read once, when a format that saves an index first asks (a ZIP never does)."""
         if self._index_identity is None:
-            fingerprint = _fingerprint(self._fd, self.size)
+            fingerprint = self._sampled or _fingerprint(self._fd, self.size)  # sampled at open
             changed = f"{self.identity.changed}.{fingerprint}" if fingerprint else self.identity.changed
             self._index_identity = self.identity._replace(changed=changed)
         return self._index_identity
@@ -93,6 +106,54 @@ class LocalFile:
         except OSError as exc:
             raise UsageError(f"{self.path}: cannot stat: {exc.strerror}") from None
         return _identity(self.path, st, st.st_size if stat.S_ISREG(st.st_mode) else self.size)
+
+    def check_unchanged(self) -> None:
+        """Raise SourceChangedError (from then on, every time) once the file was written in place.
+
+        The reader calls it after each read: a file rewritten under a mount (``cp new.zip
+        data.zip``) gave wrong bytes wherever a checksum was not checked again (a verified
+        stored member, a deflate interval decoded again after eviction). A write moves the
+        mtime (and the size, mostly) before its data lands, so a read whose bytes it touched
+        sees the change here, after its pread; a file replaced by rename leaves ours as it was.
+        ``chmod`` moves only the ctime, which is not compared; after a ``touch`` (the size and
+        the bytes sampled at open the same) reads go on.
+        """
+        if self._changed is None:
+            fd = self._fd
+            if self.stamp is None or fd < 0:
+                return
+            try:
+                st = os.fstat(fd)
+            except OSError:
+                return  # the read itself says what is wrong
+            if (st.st_size, st.st_mtime_ns) == self.stamp:
+                return
+            with self._stamp_lock:  # one thread samples the file again; the others wait for its verdict
+                if self._changed is None and (st.st_size, st.st_mtime_ns) != self.stamp:
+                    self._judge(fd, st)
+            if self._changed is None:
+                return
+        raise SourceChangedError(self._changed)
+
+    def _judge(self, fd: int, st: os.stat_result) -> None:
+        """A new size or mtime: a touch (or the same bytes copied over, cp -p) keeps the samples of
+        the file taken at open, and is let be; anything else is a change."""
+        if self._fd < 0:  # closed meanwhile: the number may read /dev/null now
+            return
+        size = self.stamp[0]  # type: ignore[index]
+        if st.st_size == size and self._sampled and _fingerprint(fd, size) == self._sampled:
+            self.stamp = (st.st_size, st.st_mtime_ns)
+            log.info("%s: its mtime moved, its bytes did not (sampled): reads go on", self.path)
+            for hook in self.on_restamp:
+                hook(*self.stamp)
+            return
+        how = f"{size} -> {st.st_size} bytes" if st.st_size != size else "other bytes, the same size"
+        self._changed = (
+            f"{self.path}: the archive was written to after it was opened ({how}); its reads fail "
+            "from now on rather than mix old and new bytes: remount (or open it again)"
+        )
+        log.error("%s", self._changed)
+        raise SourceChangedError(self._changed)
 
     def read_at(self, offset: int, length: int) -> bytes:
         if self._fd < 0:
