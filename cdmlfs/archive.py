@@ -20,6 +20,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 
+from cdmlfs import forksafe
 from cdmlfs.cache import ExtentCache
 from cdmlfs.errors import (
     ArchiveFormatError,
@@ -577,11 +578,15 @@ class MemberFile(io.RawIOBase):
         # Read at the position and advance it as one step, as the kernel does for FileIO: threads
         # sharing an unbuffered file got some bytes twice (the read releases the GIL).
         self._pos_lock = threading.Lock()
+        forksafe.register(self)  # a child forked while another thread read through it inherited the lock held
         self._size = reader.index.size[reader.index.data_entry(eid)]
         self.name = name
 
     def __repr__(self) -> str:
         return f"<cdmlfs.MemberFile name={self.name!r}{' closed' if self.closed else ''}>"
+
+    def _after_fork_child(self) -> None:
+        self._pos_lock = threading.Lock()
 
     def close(self) -> None:
         super().close()
