@@ -1205,3 +1205,15 @@ def test_a_raw_member_file_reads_in_a_child_forked_while_a_thread_read_it(tmp_pa
         [sys.executable, "-W", "ignore", "-c", FORK_WHILE_READING, str(z)], capture_output=True, timeout=120
     )
     assert res.returncode == 0 and res.stdout.split() == [b"0"], (res.stdout, res.stderr[-2000:])
+
+
+def test_every_error_class_the_api_raises_is_exported() -> None:
+    """LinkLoopError (a symlink loop in a path given to the API) could not be caught by name
+    from ``cdmlfs``: every CdmlfsError subclass in cdmlfs.errors is exported there."""
+    import inspect
+
+    from cdmlfs import errors
+
+    defined = {n for n, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, errors.CdmlfsError)}
+    assert defined <= set(cdmlfs.__all__), defined - set(cdmlfs.__all__)
+    assert all(getattr(cdmlfs, n) is getattr(errors, n) for n in defined)
