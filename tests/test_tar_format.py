@@ -1788,3 +1788,26 @@ def test_member_names_that_add_up_past_the_budget_are_refused_while_scanning(
     monkeypatch.undo()
     with Archive(str(archive), index_dir=str(tmp_path / "idx2")) as ar:  # the real budget: fine
         assert len(ar.listdir("")) == 4
+
+
+def test_an_open_from_a_saved_index_warns_what_the_scan_did(tmp_path: Path) -> None:
+    """Skipped devices and FIFOs, a member of unknown type: the scan warned, but an open from the
+    index it saved said nothing (open_warnings empty), as if the archive held no such members."""
+    path = tmp_path / "odd.tar"
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
+        for name, kind in (("fifo", tarfile.FIFOTYPE), ("dev", tarfile.CHRTYPE)):
+            info = tarfile.TarInfo(name)
+            info.type = kind
+            tf.addfile(info)
+        odd = tarfile.TarInfo("odd.bin")
+        odd.type, odd.size = b"Q", 3
+        tf.addfile(odd, io.BytesIO(b"abc"))
+        _add(tf, "ok.txt", b"ok")
+    seen = []
+    for index_source in ("scan", "cache"):
+        with Archive(str(path), index_dir=str(tmp_path / "i")) as ar:
+            assert ar.format.index_source == index_source
+            assert ar.read("ok.txt") == b"ok" and ar.read("odd.bin") == b"abc"
+            seen.append(ar.open_warnings)
+    assert any("skipped 2 device/FIFO" in w for w in seen[0]) and any("unknown type" in w for w in seen[0])
+    assert seen[1] == seen[0], seen

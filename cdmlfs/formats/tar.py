@@ -47,6 +47,7 @@ Rules for what the mount shows (documented in the README):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -446,6 +447,37 @@ def _sparse_map_in_data(read, data_off: int, stored: int) -> tuple[list[int], in
     return numbers, at - data_off
 
 
+MAX_KEPT_WARNINGS = 16  # a scan's warnings kept with its index (see MemberTable.warnings)
+
+
+class _KeptWarnings(logging.Handler):
+    def __init__(self, into: list[str]) -> None:
+        super().__init__(logging.WARNING)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.into) < MAX_KEPT_WARNINGS:
+            with contextlib.suppress(Exception):
+                self.into.append(record.getMessage()[:500])
+
+
+@contextlib.contextmanager
+def keeping_warnings(members: MemberTable) -> Iterator[None]:
+    """What the scan warns about, also kept in ``members.warnings`` (saved with the index)."""
+    handler = _KeptWarnings(members.warnings)
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+
+
+def repeat_scan_warnings(members: MemberTable) -> None:
+    """An open from a saved index warns what the scan that made it warned."""
+    for warning in members.warnings:
+        log.warning("%s", warning)
+
+
 def warn_about_end(members: MemberTable, where: str) -> None:
     """Say at every open, from a scan or from a saved index, that the tar did not end as it should.
 
@@ -560,6 +592,7 @@ class TarFormat:
                 members = MemberTable.decode(payload)
                 if members.data_end() <= self.source.size:
                     self.index_source = "cache"
+                    repeat_scan_warnings(members)
                     warn_about_end(members, self.source.identity.location)
                     return members
             except MemberTableError as exc:
@@ -570,7 +603,8 @@ class TarFormat:
         members = MemberTable()
         view = RawScanView(self.source, progress)
         started = time.monotonic()
-        end = scan_tar(view, members)
+        with keeping_warnings(members):
+            end = scan_tar(view, members)
         view.finish(end)
         members.stream_size = self.source.size
         warn_about_end(members, self.source.identity.location)
@@ -602,7 +636,8 @@ class TarFormat:
         members = MemberTable()
         not_tar = False
         try:
-            end = scan_tar(view, members)
+            with keeping_warnings(members):
+                end = scan_tar(view, members)
             view.finish(end, tar_ended=not members.ending)
         except ArchiveFormatError as exc:
             if len(members) != 0 or "not a tar" not in str(exc):
@@ -667,6 +702,7 @@ class TarFormat:
             log.info("ignoring cached index: %s; rescanning", exc)
             return None
         self.index_source = "cache"
+        repeat_scan_warnings(members)
         warn_about_end(members, self.source.identity.location)
         return members, frames
 

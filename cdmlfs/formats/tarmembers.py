@@ -37,6 +37,9 @@ SPARSE_ENCODING_VERSION = 3  # adds the data segments of sparse members
 READABLE_VERSIONS = (1, 2, 3)
 
 
+WARNINGS_ROOM = 2048  # bytes of the header line that scan warnings may take (JSON-encoded)
+
+
 class MemberTableError(ValueError):
     """Encoded bytes that do not describe a member table (corrupt, truncated, other version)."""
 
@@ -46,7 +49,7 @@ class MemberTable:
 
     __slots__ = (
         "crcs", "ending", "kind", "links", "mode", "mtime", "names", "offset", "size", "sparse",
-        "stream_size",
+        "stream_size", "warnings",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -65,6 +68,9 @@ class MemberTable:
         # How the tar ended when it did not end as tar writers end it ("" when it did): kept with
         # the index so that a remount from it says so again (cdmlfs.formats.tar.warn_about_end).
         self.ending = ""
+        # What the scan warned about (members skipped, headers not understood): kept with the index
+        # so that an open from it warns the same (Archive.open_warnings was empty then).
+        self.warnings: list[str] = []
 
     def __len__(self) -> int:
         return len(self.names)
@@ -175,6 +181,15 @@ class MemberTable:
             cols += [sparse_ids, counts, values]
         if self.ending:  # an optional key: readers that do not know it ignore it
             header["ending"] = self.ending
+        kept: list[str] = []
+        room = WARNINGS_ROOM  # the header line is read from the first 4 KiB
+        for warning in self.warnings:
+            room -= len(json.dumps(warning)) + 1
+            if room < 0:
+                break
+            kept.append(warning)
+        if kept:  # optional too
+            header["warnings"] = kept
         parts = [json.dumps(header, separators=(",", ":")).encode() + b"\n"]
         parts += [_le_bytes(col) for col in cols]
         parts += [bytes(self.kind), names, link_text]
@@ -203,6 +218,9 @@ class MemberTable:
                 raise ValueError("sparse counts")
             if not isinstance(header.get("ending", ""), str):
                 raise ValueError("ending")
+            warnings = header.get("warnings", [])
+            if not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
+                raise ValueError("warnings")
         except (ValueError, KeyError, TypeError, OverflowError) as exc:  # JSON allows Infinity
             if isinstance(exc, MemberTableError):
                 raise
@@ -246,6 +264,7 @@ class MemberTable:
         table = cls()
         table.stream_size = stream_size
         table.ending = ending
+        table.warnings = list(header.get("warnings", []))
         cols = []
         for typecode, count in cls._layout(header):
             col = array(typecode)
