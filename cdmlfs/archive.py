@@ -604,8 +604,21 @@ class MemberFile(io.RawIOBase):
         self._check_open()
         return True
 
+    def writable(self) -> bool:
+        self._check_open()  # closed: ValueError, as FileIO says it
+        return False
+
     def write(self, b) -> int:
+        self._check_open()
         raise io.UnsupportedOperation("write: archive members are read-only")
+
+    def truncate(self, size: int | None = None) -> int:
+        self._check_open()
+        raise io.UnsupportedOperation("truncate: archive members are read-only")
+
+    def fileno(self) -> int:
+        self._check_open()
+        raise io.UnsupportedOperation("fileno: an archive member has no file descriptor")
 
     def tell(self) -> int:
         self._check_open()
@@ -637,8 +650,8 @@ class MemberFile(io.RawIOBase):
         if view.readonly:  # as io's files say it, before anything is read or the position moves
             kind = type(buf).__name__
             raise TypeError(f"readinto() argument must be read-write bytes-like object, not {kind}")
-        if not view.contiguous:
-            raise BufferError("readinto needs a contiguous buffer")
+        if not view.contiguous:  # TypeError, as FileIO gives it
+            raise TypeError("readinto() argument must be a contiguous buffer")
         view = view.cast("B")  # bytes, whatever the buffer's item type or shape (array('i'), numpy)
         with self._pos_lock:
             n = self._reader.read_into(self._eid, self._pos, view.nbytes, view)

@@ -698,8 +698,14 @@ def test_raw_member_file_behaves_like_fileio(tmp_path: Path) -> None:
             raw.write(b"x")
         with pytest.raises(TypeError):
             raw.seek(1.5)
+        with pytest.raises(io.UnsupportedOperation):
+            raw.fileno()
+        with pytest.raises(TypeError):  # as FileIO (BufferError before)
+            raw.readinto(memoryview(bytearray(10))[::2])
         raw.close()
-        for call in (raw.read, raw.readall, lambda: raw.seek(0), raw.readable, raw.seekable):
+        closed = (raw.read, raw.readall, lambda: raw.seek(0), raw.readable, raw.seekable, raw.writable)
+        closed += (lambda: raw.write(b"x"), raw.truncate, raw.fileno)  # ValueError first, as FileIO
+        for call in closed:
             with pytest.raises(ValueError):
                 call()
         with ar.open("blob.bin", "rb") as f:
