@@ -62,19 +62,43 @@ class _WarningsOfThisThread(logging.Handler):
         if record.thread == self.thread:
             with contextlib.suppress(Exception):  # a bad format string must not fail the open
                 self.messages.append(record.getMessage())
-        if self.also_print:  # no logging set up: print as Python's last-resort handler would have
-            logging.lastResort.handle(record)
+        if self.also_print and self._prints(record):
+            logging.lastResort.handle(record)  # no logging set up: as Python's last resort would
+
+    def _prints(self, record: logging.LogRecord) -> bool:
+        """Whether this handler prints ``record``: each record once, by the open of its own thread
+        (else the oldest open under way), and only while no real handler is set up. Decided when
+        installed, a second open running at once printed nothing once the first had finished."""
+        with _KEEPERS_LOCK:
+            keepers = list(_KEEPERS)
+        owner = next((k for k in keepers if k.thread == record.thread), keepers[0] if keepers else self)
+        if owner is not self or logging.lastResort is None:
+            return False
+        logger: logging.Logger | None = logging.getLogger("cdmlfs")
+        while logger is not None:
+            if any(not isinstance(h, _WarningsOfThisThread) for h in logger.handlers):
+                return False
+            logger = logger.parent if logger.propagate else None
+        return True
+
+
+_KEEPERS: list[_WarningsOfThisThread] = []  # the opens under way, oldest first
+_KEEPERS_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
 def _keeping_warnings() -> Iterator[list[str]]:
     logger = logging.getLogger("cdmlfs")
-    handler = _WarningsOfThisThread(also_print=not logger.hasHandlers() and logging.lastResort is not None)
+    handler = _WarningsOfThisThread(also_print=True)
+    with _KEEPERS_LOCK:
+        _KEEPERS.append(handler)
     logger.addHandler(handler)
     try:
         yield handler.messages
     finally:
         logger.removeHandler(handler)
+        with _KEEPERS_LOCK:
+            _KEEPERS.remove(handler)
 
 
 def _cache_bytes(size: int | str) -> int:

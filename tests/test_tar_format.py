@@ -1385,6 +1385,51 @@ def test_open_time_warnings_still_reach_stderr_without_logging_set_up(tmp_path: 
     assert res.stderr.decode().count("end-of-archive blocks") == 1, res.stderr
 
 
+TWO_OPENS = r"""
+import sys, threading
+import cdmlfs
+
+a_started, b_started, a_done = threading.Event(), threading.Event(), threading.Event()
+
+def a_progress(done, total):  # the first open, under way until the second has begun
+    a_started.set()
+    b_started.wait(30)
+
+def b_progress(done, total):  # the second, paused until the first has finished
+    b_started.set()
+    a_done.wait(30)
+
+def first():
+    cdmlfs.open(sys.argv[1], index_dir=sys.argv[3], progress=a_progress).close()
+    a_done.set()
+
+t = threading.Thread(target=first)
+t.start()
+a_started.wait(30)
+b = cdmlfs.open(sys.argv[2], index_dir=sys.argv[3], progress=b_progress)
+t.join()
+print(len(b.open_warnings), a_done.is_set())
+b.close()
+"""
+
+
+def test_warnings_of_two_opens_at_once_are_each_printed_once(tmp_path: Path) -> None:
+    """Whether an open printed its warnings was decided when it began: one that began while
+    another was under way printed nothing once that other had finished."""
+    whole = _tarfile_archive(tmp_path / "t.tar", tarfile.USTAR_FORMAT, lambda tf: _add(tf, "a", b"a"))
+    data = whole.read_bytes()
+    (tmp_path / "cut1.tar").write_bytes(data[:1024])  # no end blocks: each warns once
+    (tmp_path / "cut2.tar").write_bytes(data[:1024])
+    res = subprocess.run(
+        [sys.executable, "-c", TWO_OPENS, *(str(tmp_path / n) for n in ("cut1.tar", "cut2.tar", "idx"))],
+        capture_output=True,
+        timeout=120,
+    )
+    err = res.stderr.decode()
+    assert res.returncode == 0 and res.stdout.decode().split() == ["1", "True"], (res.stdout, err)
+    assert err.count("cut1.tar") == 1 and err.count("cut2.tar") == 1, err
+
+
 def test_an_index_dir_that_is_a_file_is_one_clear_error(tmp_path: Path) -> None:
     archive = _tarfile_archive(tmp_path / "t.tar", tarfile.USTAR_FORMAT, lambda tf: _add(tf, "a", b"a"))
     (tmp_path / "afile").write_bytes(b"")
