@@ -53,6 +53,7 @@ import logging
 import math
 import re
 import struct
+import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator
@@ -451,12 +452,15 @@ MAX_KEPT_WARNINGS = 16  # a scan's warnings kept with its index (see MemberTable
 
 
 class _KeptWarnings(logging.Handler):
+    """The scanning thread's own warnings: two archives scanned at once share the module's logger."""
+
     def __init__(self, into: list[str]) -> None:
         super().__init__(logging.WARNING)
         self.into = into
+        self.thread = threading.get_ident()
 
     def emit(self, record: logging.LogRecord) -> None:
-        if len(self.into) < MAX_KEPT_WARNINGS:
+        if record.thread == self.thread and len(self.into) < MAX_KEPT_WARNINGS:
             with contextlib.suppress(Exception):
                 self.into.append(record.getMessage()[:500])
 
