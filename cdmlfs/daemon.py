@@ -382,18 +382,31 @@ def _pid_in(pid_file: str) -> int | None:
 
     Only a regular file is read: opening a FIFO (or a device) to read would block, or consume what
     another process waits for; such a "pid file" names no process."""
-    try:
-        fd = os.open(pid_file, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
-    except OSError:
+    fd = _open_regular(pid_file)
+    if fd is None:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
         return int(os.read(fd, 64).split()[0])
     except (OSError, ValueError, IndexError):
         return None
     finally:
         os.close(fd)
+
+
+def _open_regular(path: str) -> int | None:
+    """A descriptor to read ``path``, or None unless it is a regular file. Opened without blocking:
+    a FIFO would block (or give away what another process waits for), /dev/full reads forever."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:
+        return None
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
 
 
 def _is_cdmlfs(pid: int) -> bool:
@@ -671,16 +684,13 @@ LOG_TAIL = 64 << 10  # the most of a failed daemon's log read back for its last 
 def _last_log_line(path: str, start: int) -> str:
     """The line that says why a daemon failed, from what it logged since ``start``. Only a regular
     file is read, and only its tail: a log on /dev/full read zeros until memory ran out."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
-    except OSError:
+    fd = _open_regular(path)
+    if fd is None:
         return ""
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return ""
-        at = max(start, st.st_size - LOG_TAIL)
-        text = os.pread(fd, max(0, st.st_size - at), at).decode("utf-8", "replace")
+        size = os.fstat(fd).st_size
+        at = max(start, size - LOG_TAIL)
+        text = os.pread(fd, max(0, size - at), at).decode("utf-8", "replace")
     except OSError:
         return ""
     finally:

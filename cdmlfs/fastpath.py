@@ -79,7 +79,7 @@ def build_table(archive: Archive):
     )
     stamp = getattr(archive.source, "stamp", None)
     source_fd = archive.source.fileno()
-    if stamp is not None and source_fd is not None and hasattr(table, "set_source_stamp"):
+    if stamp is not None and source_fd is not None:
         table.set_source_stamp(source_fd, *stamp)  # a file written in place: C reads go to Python
         archive.source.on_restamp.append(functools.partial(table.set_source_stamp, source_fd))  # a touch
     # The tree for readdir in C: each directory's children (in listing order, see

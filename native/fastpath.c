@@ -86,7 +86,7 @@ typedef struct {
     /* The archive file as opened (set_source_stamp): a read served here checks it is unchanged,
      * as LocalFile.check_unchanged does for Python's reads; has_stamp 0: nothing to check. */
     int has_stamp, stamp_fd;
-    int64_t stamp_size, stamp_sec, stamp_nsec;
+    int64_t stamp_size, stamp_mtime_ns;
     uint32_t uid, gid;
     int64_t whole_limit;
     getattr_fn py_getattr;
@@ -441,8 +441,8 @@ source_changed(const FastPath *t)
     struct stat st;
     if (fstat(t->stamp_fd, &st) != 0)
         return 1;
-    return (int64_t)st.st_size != t->stamp_size || (int64_t)st.st_mtim.tv_sec != t->stamp_sec ||
-           (int64_t)st.st_mtim.tv_nsec != t->stamp_nsec;
+    return (int64_t)st.st_size != t->stamp_size ||
+           (int64_t)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec != t->stamp_mtime_ns;
 }
 
 static int
@@ -480,7 +480,8 @@ fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
     if (method == M_STORED) {
         size_t n = (size_t)((uint64_t)off + size > total ? total - (uint64_t)off : size);
         uint64_t from_source = n;
-        if (verified[e] == V_VERIFIED) {
+        int first = verified[e] != V_VERIFIED;
+        if (!first) {
             if (pread_full(t->fd, buf, n, data_at + off) != 0)
                 goto slow;
         } else {
@@ -489,13 +490,12 @@ fp_read(const char *path, char *buf, size_t size, off_t off, void *fi)
                 goto slow;
             if (pread_full(t->fd, buf, total, data_at) != 0 || cdmlfs_crc32(0, buf, total) != crc)
                 goto slow; /* Python re-reads, reports and logs */
-            if (source_changed(t))
-                goto slow;
-            verified[e] = V_VERIFIED;
             from_source = total;
         }
         if (source_changed(t))
             goto slow;
+        if (first)
+            verified[e] = V_VERIFIED; /* only for bytes of the file as opened */
         atomic_fetch_add_explicit(&t->read_fast, 1, memory_order_relaxed);
         atomic_fetch_add_explicit(&t->bytes_fast, n, memory_order_relaxed);
         atomic_fetch_add_explicit(&t->bytes_source, from_source, memory_order_relaxed);
@@ -864,8 +864,7 @@ FastPath_set_source_stamp(FastPath *self, PyObject *args)
         return NULL;
     self->stamp_fd = fd;
     self->stamp_size = size;
-    self->stamp_sec = mtime_ns >= 0 ? mtime_ns / 1000000000LL : -((-mtime_ns + 999999999LL) / 1000000000LL);
-    self->stamp_nsec = mtime_ns - self->stamp_sec * 1000000000LL;
+    self->stamp_mtime_ns = mtime_ns; /* as Python's st_mtime_ns: seconds * 1e9 + nanoseconds */
     self->has_stamp = fd >= 0;
     Py_RETURN_NONE;
 }

@@ -498,9 +498,7 @@ def ext_timestamp(value: int, dos: int) -> float | None:
     (Info-ZIP writes later dates there, unsigned) or the 1980 minimum (a time before 1970, which
     zip clamps the DOS field to). Otherwise (say, 1903 beside a DOS date of 2000) the field is a
     writer's error and the DOS time stands."""
-    if value < 1 << 31:
-        return float(value)
-    if dos >= DOS_2038:
+    if value < 1 << 31 or dos >= DOS_2038:
         return float(value)
     if dos == DOS_MINIMUM:
         return float(value - (1 << 32))

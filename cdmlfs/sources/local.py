@@ -153,7 +153,6 @@ class LocalFile:
             "from now on rather than mix old and new bytes: remount (or open it again)"
         )
         log.error("%s", self._changed)
-        raise SourceChangedError(self._changed)
 
     def read_at(self, offset: int, length: int) -> bytes:
         if self._fd < 0:

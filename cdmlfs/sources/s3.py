@@ -355,10 +355,7 @@ class S3Object:
         try:
             self._session = _shared_session(boto3, self._profile, self._region)
         except ProfileNotFound:
-            name = self._profile
-            if name is None:
-                name = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE")
-            raise UsageError(f"AWS profile {name!r} not found") from None
+            raise UsageError(f"AWS profile {self._profile_name()!r} not found") from None
         except BotoCoreError as exc:  # a malformed ~/.aws/config or credentials file, say
             raise UsageError(f"AWS configuration: {_redact(str(exc))}") from None
 
@@ -410,8 +407,14 @@ class S3Object:
                 guard_sdk_logs()  # loggers of the modules the client brought in
             return self._client
 
+    def _profile_name(self) -> str | None:
+        """The profile the SDK uses: ours, else the environment's."""
+        if self._profile is not None:
+            return self._profile
+        return os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE")
+
     def _profile_words(self) -> str:
-        name = self._profile or os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE")
+        name = self._profile_name()
         return f" (profile {name!r})" if name else ""
 
     def _before_fork(self) -> None:
