@@ -21,6 +21,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+import zstandard
 from fuzz import craft
 from fuzz.harness import MemorySource, time_limit
 
@@ -264,6 +265,30 @@ def test_a_size_on_a_header_without_data_is_ignored_as_tar_x_does(typeflag: byte
     assert (out / "after.txt").read_bytes() == b"after"
     with tarfile.open(path) as tf:  # and so does Python
         assert tf.extractfile("base.txt").read() == b"EVIL"
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["tar", "tar.zst"])
+def test_a_hard_link_carrying_its_data_is_skipped_over(compressed: bool, tmp_path: Path) -> None:
+    """pax lets a hard link carry its target's bytes (``pax -o linkdata``). The listing used to
+    stop at those bytes as at a damaged header, losing every member after the link; GNU tar skips
+    to the next header, bsdtar does the same. A header right behind the link still means that
+    its size is to be ignored (the test above)."""
+    base = th.build_header("base.txt", th.REGTYPE, 4) + b"base" + bytes(508)
+    link = th.build_header("hl", th.LNKTYPE, 4, linkname="base.txt") + b"base" + bytes(508)
+    after = th.build_header("after.txt", th.REGTYPE, 5) + b"after" + bytes(507)
+    blob = base + link + after + bytes(1024)
+    path = tmp_path / ("t.tar.zst" if compressed else "t.tar")
+    path.write_bytes(zstandard.ZstdCompressor().compress(blob) if compressed else blob)
+    with Archive(str(path), index_dir=str(tmp_path / "idx")) as ar:
+        assert sorted(ar.listdir("")) == ["after.txt", "base.txt", "hl"]
+        assert ar.read("hl") == b"base"
+        assert ar.read("after.txt") == b"after"
+        assert ar.stat("hl").nlink == 2
+        assert not ar.open_warnings
+    out = tmp_path / "out"
+    out.mkdir()
+    subprocess.run(["tar", "-xf", str(path), "-C", str(out)], check=False)  # exits 2, having skipped
+    assert (out / "after.txt").read_bytes() == b"after"
 
 
 def test_a_base256_number_with_another_first_byte_is_no_number(tmp_path: Path) -> None:

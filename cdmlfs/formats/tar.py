@@ -89,8 +89,9 @@ EMBEDDED_INDEX_MAGIC = b"CDMLFS-MEMBERS\x00\x01"
 MAX_META_MEMBER = 16 << 20  # longest pax / GNU long-name payload we accept
 # Versions of the persisted member tables. tar/2, tar.zst/3: links, devices and fifos carry no data
 # (a table built before could lack the members behind such a header that declared a size).
-STORE_KIND_TAR = "tar/2"
-STORE_KIND_TAR_ZST = "tar.zst/3"  # 2: frame tables say whether their sizes came from a seek table
+# tar/3, tar.zst/4: a hard link's data is skipped (pax linkdata; tables before stopped there).
+STORE_KIND_TAR = "tar/3"
+STORE_KIND_TAR_ZST = "tar.zst/4"  # 2: frame tables say whether their sizes came from a seek table
 # Types whose size field is ignored: the next header follows at once. A full ``tar -x`` (GNU tar
 # 1.34), bsdtar and Python's tarfile all read on there, so members behind a symlink, device or fifo
 # header that declares a size are members (``tar -t``, or ``tar -x`` given names, skip the size
@@ -313,7 +314,9 @@ class TarRecords:
                     f"header at offset {pos} ({headers:,} members so far): not a dataset's names"
                 )
             name = th.decode_name(raw_name)
-            has_data = typeflag not in _NO_DATA_TYPES
+            has_data = typeflag not in _NO_DATA_TYPES or (
+                typeflag == th.LNKTYPE and size > 0 and _link_data_follows(read(header_end, th.BLOCK))
+            )
             data_off = header_end
             pos = header_end + (th.round_up(size) if has_data else 0)
             pax = {}
@@ -367,6 +370,18 @@ class TarRecords:
                 stats.devices,
             )
         self.end = pos
+
+
+def _link_data_follows(block: bytes) -> bool:
+    """Whether a hard link header that declares a size is followed by that many bytes of data.
+
+    Tar readers have long ignored a hard link's size (the next header follows at once), but pax
+    lets a hard link carry its target's bytes (``pax -o linkdata``). No field says which, so the
+    block after the header decides, as bsdtar's reader does: a valid header there means the size
+    is to be ignored; anything else but zeros (which end the archive) is the link's data, skipped.
+    GNU tar reads such data as a damaged header and skips to the next one ("Skipping to next
+    header"), reaching the same members."""
+    return len(block) == th.BLOCK and block != th.ZERO_BLOCK and not th.checksum_ok(block)
 
 
 class _BadSparse(ValueError):
