@@ -696,6 +696,62 @@ def test_a_seek_table_swapping_sizes_of_unsized_frames_gives_eio_not_shifted_byt
                 assert ar.read("after") == b"after"
 
 
+def _framed(data: bytes, cuts: list[int], sized: bool) -> tuple[list[bytes], list[tuple[int, int]]]:
+    """``data`` in zstd frames cut at ``cuts``, and their (compressed, decoded) seek table entries."""
+    frames, entries = [], []
+    for a, b in itertools.pairwise([0, *cuts, len(data)]):
+        frames.append(zstandard.ZstdCompressor(level=1, write_content_size=sized).compress(data[a:b]))
+        entries.append((len(frames[-1]), b - a))
+    return frames, entries
+
+
+@pytest.mark.parametrize("sized", [True, False], ids=["sizes in frame headers", "no sizes in headers"])
+def test_a_wrong_seek_table_entry_is_found_and_the_frames_are_located_by_their_headers(
+    sized: bool, tmp_path: Path
+) -> None:
+    """A seek table whose entry for one frame says the wrong decoded size: the scan refused the
+    archive when it decoded that frame to its end (the last frame, say), and otherwise read headers
+    at the wrong offsets and listed the archive only up to there. The scan now checks each frame it
+    decodes against the frame's own header, and a tar that stops at a corrupt header by the table
+    is read again by the frames' headers: every member is listed and reads right, with a warning
+    that names the seek table (repeated when the archive opens from the saved index)."""
+    from cdmlfs.zstd_seekable import seek_table_frame
+
+    big = text_bytes(3 << 20)
+    members = {"a": b"a" * 1000, "big": big, "c": b"c" * 3000, "d": b"d" * 5}
+    data = _tar_bytes(members)
+    cuts = [1 << 20, 2 << 20, len(data) - 4096]  # frames 1 and 2 lie inside big: the scan skips them
+    frames, entries = _framed(data, cuts, sized)
+    cases = {"last": len(entries) - 1, "skipped": 1} if sized else {"skipped": 1}
+    for label, wrong in cases.items():
+        table = list(entries)
+        table[wrong] = (table[wrong][0], table[wrong][1] + 512)  # the total is wrong too: no swap
+        path = tmp_path / f"{label}.tar.zst"
+        path.write_bytes(b"".join(frames) + seek_table_frame(table))
+        for attempt in ("scan", "cache"):
+            with Archive(str(path), index_dir=str(tmp_path / "idx")) as ar:
+                assert ar.format.index_source == attempt
+                assert sorted(ar.listdir("")) == sorted(members), label
+                for name, body in members.items():
+                    assert ar.read(name) == body, (label, name)
+                assert any("the seek table is wrong" in w for w in ar.open_warnings), ar.open_warnings
+
+
+def test_a_tar_damaged_behind_a_correct_seek_table_is_still_listed_up_to_the_damage(tmp_path: Path) -> None:
+    """The reading again by the frames' headers keeps the first reading when it lists no more."""
+    from cdmlfs.zstd_seekable import seek_table_frame
+
+    data = bytearray(_tar_bytes({"a": b"a" * 1000, "b": b"b" * 2000}))
+    data[1536] ^= 0xFF  # b's header
+    frames, entries = _framed(bytes(data), [1024], True)
+    path = tmp_path / "damaged.tar.zst"
+    path.write_bytes(b"".join(frames) + seek_table_frame(entries))
+    with Archive(str(path), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.listdir("") == ["a"]
+        assert ar.read("a") == b"a" * 1000
+        assert not any("seek table" in w for w in ar.open_warnings)
+
+
 def _blocks(*members: tuple) -> bytes:
     """A tar built block by block: (name, data, typeflag[, mtime]) members, then the end blocks."""
     out = b""
@@ -1786,8 +1842,9 @@ def test_an_embedded_index_is_not_decoded_past_its_own_header_or_a_sane_ratio(
     # The seek table lies about the data frame: the limit from the stream's size is 4 GiB.
     archive = _archive_with_a_zeros_table(tmp_path, json.dumps(table).encode() + b"\n", claims=0xFFFFFFFF)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with caplog.at_level(logging.WARNING), pytest.raises(ArchiveFormatError, match="decodes to"):
-        Archive(str(archive), index_dir=str(tmp_path / "idx"))  # scanned instead: the lie is found
+    with caplog.at_level(logging.WARNING), Archive(str(archive), index_dir=str(tmp_path / "idx")) as ar:
+        assert ar.read("a.txt") == b"abc"  # scanned instead: the lie is found, the frame located
+    assert "the seek table is wrong" in caplog.text
     grew_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     expected = "decodes to more than 102 bytes" if members == 0 else "it declares 108000108 bytes, more than"
     assert "embedded index is unusable" in caplog.text and expected in caplog.text, caplog.text

@@ -66,6 +66,7 @@ from cdmlfs.formats.zstdstream import (
     FrameTable,
     RawScanView,
     RawStream,
+    SeekTableMismatch,
     ZstdScanView,
     ZstdStream,
     check_empty_frames,
@@ -649,6 +650,50 @@ class TarFormat:
         return self._cached_or_built(self._cached_zstd, lambda: self._scan_zstd(seek_frames, progress))
 
     def _scan_zstd(self, seek_frames: list[Frame] | None, progress) -> tuple[MemberTable, FrameTable]:
+        where = self.source.identity.location
+        if seek_frames is None:
+            members, table = self._scan_zstd_frames(None, progress)
+        else:
+            # The seek table says where frames start and what they hold, so that the scan can skip
+            # the frames inside large members; a wrong entry would misplace every header after it.
+            try:
+                members, table = self._scan_zstd_frames(seek_frames, progress)
+            except SeekTableMismatch as exc:
+                members, table = self._scan_without_seek_table(f"{where}: {exc}", progress)
+            else:
+                if members.ending.startswith(DAMAGED_ENDING):
+                    # A wrong size for a frame the scan skipped shows as a header in the wrong place.
+                    members, table = self._rescan_if_better(members, table, progress)
+        warn_about_end(members, where)
+        self._save_zstd(members, table)
+        return members, table
+
+    def _scan_without_seek_table(self, why: str, progress) -> tuple[MemberTable, FrameTable]:
+        message = f"{why}: the seek table is wrong; locating frames by their headers instead"
+        log.warning("%s", message)
+        members, table = self._scan_zstd_frames(None, progress)
+        members.warnings.insert(0, message)  # repeated when the archive opens from the saved index
+        return members, table
+
+    def _rescan_if_better(self, members: MemberTable, table: FrameTable, progress):
+        """The tar read through the seek table stopped at a corrupt header: read it again by the
+        frames' own headers, and keep that reading if it lists more (the table was wrong)."""
+        try:
+            again, again_table = self._scan_zstd_frames(None, progress)
+        except ArchiveFormatError:
+            return members, table
+        if again.ending.startswith(DAMAGED_ENDING) and len(again) <= len(members):
+            return members, table  # the damage is in the tar itself
+        damage = members.ending.split(", where")[0]
+        message = (
+            f"{self.source.identity.location}: the seek table is wrong (read by it, the tar {damage}); "
+            "located frames by their headers instead"
+        )
+        log.warning("%s", message)
+        again.warnings.insert(0, message)
+        return again, again_table
+
+    def _scan_zstd_frames(self, seek_frames: list[Frame] | None, progress) -> tuple[MemberTable, FrameTable]:
         # Without a seek table, frames are found as the scan goes: the archive is read once.
         view = ZstdScanView(self.source, seek_frames, progress)
         started = time.monotonic()
@@ -668,7 +713,6 @@ class TarFormat:
             raise ArchiveFormatError("zstd data that is not a tar archive")
         table = view.frame_table()
         members.stream_size = table.total
-        warn_about_end(members, self.source.identity.location)
         self.index_source = "scan"
         log.debug(
             "scanned %d members in %.2fs (%d of %d frames decoded)",
@@ -677,7 +721,6 @@ class TarFormat:
             view.decoded_frames,
             len(view.frames),
         )
-        self._save_zstd(members, table)
         return members, table
 
     def _embedded_members(self, frames: list[Frame]) -> MemberTable | None:

@@ -971,6 +971,40 @@ class _Reporter:
             self.next = comp_pos + (16 << 20)
 
 
+class SeekTableMismatch(ArchiveFormatError):
+    """The seek table disagrees with the frames it lists: the scan starts again without it."""
+
+
+class _ListedFrameRange(SourceRange):
+    """A frame's bytes where the seek table puts them, checked against the frame's own header
+    as its first bytes pass by (no extra read): a wrong table entry showed only at the frame's
+    end, or never when the scan skipped the frame's tail (it then read headers at wrong offsets
+    and listed the archive only up to there)."""
+
+    def __init__(self, source: Source, i: int, frame: Frame, listed: int | None, on_read) -> None:
+        super().__init__(source, frame.offset, frame.comp_size, on_read)
+        self._i = i
+        self._offset = frame.offset
+        self._listed = listed
+
+    def read(self, size: int = -1) -> bytes:
+        data = super().read(size)
+        if self._i >= 0:
+            i, self._i = self._i, -1
+            try:
+                header = parse_frame_header(data, self._offset)
+            except ValueError:
+                raise SeekTableMismatch(
+                    f"no zstd frame starts where the seek table puts frame #{i} (offset {self._offset})"
+                ) from None
+            if header.content_size is not None and header.content_size != self._listed:
+                raise SeekTableMismatch(
+                    f"zstd frame #{i} at offset {self._offset} holds {header.content_size} bytes by its "
+                    f"header, the seek table says {self._listed}"
+                )
+        return data
+
+
 class ZstdScanView:
     """Forward reads of the decoded stream for the header scan.
 
@@ -1083,7 +1117,7 @@ class ZstdScanView:
                 continue
             if self._walker is None:
                 check_window(self.source, self._fi, frame.offset, frame.comp_size)
-                raw = SourceRange(self.source, frame.offset, frame.comp_size, self._report)
+                raw = _ListedFrameRange(self.source, self._fi, frame, size, self._report)
             else:
                 assert self._walker.header is not None
                 refuse_large_window(self._fi, self._walker.header.window_size)
@@ -1119,7 +1153,8 @@ class ZstdScanView:
         self._passed()
         frame = self.frames[self._fi]
         if expected is not None and expected != size:
-            raise ArchiveFormatError(
+            error = SeekTableMismatch if self._walker is None else ArchiveFormatError
+            raise error(
                 f"zstd frame #{self._fi} at offset {frame.offset} decodes to {size} bytes, "
                 f"its header or the seek table says {expected}"
             )
