@@ -155,6 +155,8 @@ class Archive:
             raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; known: {known}")
         if isinstance(location, (str, bytes, os.PathLike)):
             location = os.fsdecode(location)
+            if location[:7].lower() == "file://":  # a local path all the same (relative ones too)
+                location = location[7:]
             if "://" not in location:  # a pickled Archive reopens it from any working directory
                 # The directory as the kernel resolves it (abspath folded "link/.." as text and
                 # opened another file than open() would); the archive's own name is kept.
@@ -422,9 +424,14 @@ class Archive:
         return [index.paths[e] for e in ids]
 
     def position(self, path: str) -> int:
-        """Where a file's bytes lie in the archive (sort key of ``archive_order``)."""
-        eid = self.index.data_entry(self._resolve(path))
-        return self.index.offset[eid]
+        """Where a file's bytes lie in the archive (sort key of ``archive_order``).
+
+        Directories hold no bytes: they raise, as :meth:`read` does (0 sorted them before every
+        file, as if they were the archive's first member)."""
+        eid = self._resolve(path)
+        if self.index.kind[eid] == DIR:
+            raise PathIsADirectoryError(f"{path}: is a directory")
+        return self.index.offset[self.index.data_entry(eid)]
 
     def readlink(self, path: str) -> str:
         eid = self._resolve(path, follow=False)

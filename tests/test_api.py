@@ -72,6 +72,20 @@ def test_pickles_small_and_reopens(archive: Path) -> None:
         again.close()
 
 
+def test_a_relative_file_uri_pickles_to_the_same_file(archive: Path, tmp_path: Path, monkeypatch) -> None:
+    """``file://data.zip`` kept its relative path in the pickle: a worker in another directory
+    failed to open it (or opened another file of that name)."""
+    monkeypatch.chdir(archive.parent)
+    with cdmlfs.open(f"file://{archive.name}") as ar:
+        blob = pickle.dumps(ar)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    (elsewhere / archive.name).write_bytes(b"not it")
+    with pickle.loads(blob) as again:
+        assert again.read("one_byte") == b"x"
+
+
 def test_extract_and_archive_order(archive: Path, tmp_path: Path) -> None:
     with cdmlfs.open(str(archive)) as ar:
         out = ar.extract("data", str(tmp_path / "out"))
@@ -80,6 +94,11 @@ def test_extract_and_archive_order(archive: Path, tmp_path: Path) -> None:
         assert sorted(order) == sorted(sample_files())
         offsets = [ar.index.offset[ar.index.lookup(p)] for p in order]
         assert offsets == sorted(offsets)
+        assert [ar.position(p) for p in order] == offsets
+        from cdmlfs.errors import PathIsADirectoryError
+
+        with pytest.raises(PathIsADirectoryError):
+            ar.position("data")  # no bytes of its own: 0 sorted it before every file
 
 
 def test_symlinks_resolve_inside_the_archive(tmp_path: Path) -> None:
