@@ -369,6 +369,8 @@ def _name_failed_write(exc: OSError, where: str) -> None:
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
+    if not args.directory:  # makedirs("") failed with a bare "No such file or directory"
+        raise UsageError("-C needs a directory (an empty name was given)")
     if os.path.exists(args.directory) and not os.path.isdir(args.directory):
         raise UsageError(f"{args.directory}: not a directory (the -C destination)")
     if os.path.islink(args.directory) and not os.path.exists(args.directory):  # makedirs: "File exists"

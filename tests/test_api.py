@@ -188,6 +188,9 @@ def test_cli_ls_cat_extract(archive: Path, tmp_path: Path) -> None:
     res = run_cli("extract", str(archive), "readme.txt", "-C", str(tmp_path / "dangling"))
     err = res.stderr.decode().strip()
     assert res.returncode == 2 and err.endswith("a symlink to 'missing-dir', which does not exist"), err
+    res = run_cli("extract", str(archive), "readme.txt", "-C", "")  # was a bare "No such file...", exit 1
+    err = res.stderr.decode().strip()
+    assert res.returncode == 2 and err == "cdmlfs: -C needs a directory (an empty name was given)", err
     res = run_cli("--version", check=True)
     assert b"cdmlfs" in res.stdout and b"inflate" in res.stdout
 
