@@ -26,7 +26,13 @@ from archives import python_zip, sample_files
 from mountutil import run_cli
 
 from cdmlfs.archive import Archive
-from cdmlfs.errors import ArchiveNotFoundError, SourceChangedError, SourceError, UsageError
+from cdmlfs.errors import (
+    ArchiveFormatError,
+    ArchiveNotFoundError,
+    SourceChangedError,
+    SourceError,
+    UsageError,
+)
 from cdmlfs.sources import s3 as s3mod
 from cdmlfs.sources.local import LocalFile
 from cdmlfs.sources.retry import RetryPolicy
@@ -823,6 +829,42 @@ def test_tar_zst_on_s3_remount_uses_the_persisted_index(
     localbucket_s3.put("tars", "tree.tar.zst", _small_zip(tmp_path))
     with Archive("s3://tars/tree.tar.zst", **kw) as third:
         assert third.format.name == "zip"
+
+
+def test_a_password_in_the_endpoint_url_is_not_written_into_the_index(localbucket_s3, tmp_path: Path) -> None:
+    """The persisted index is keyed by the endpoint too, and its key held the endpoint URL as
+    given, ``user:password@`` included, in the index file (and in the failure record of an
+    archive that does not open). The key now holds the URL with the password hidden."""
+    import zstandard
+
+    data = _tar_bytes_of({"a.txt": b"alpha", "b.txt": b"beta"})
+    localbucket_s3.put("tars", "secret.tar.zst", zstandard.ZstdCompressor().compress(data))
+    localbucket_s3.put("tars", "cut.tar.zst", zstandard.ZstdCompressor().compress(data)[:40])
+    url = localbucket_s3.url.replace("http://", "http://minio:S3cretPw@")
+    index_dir = tmp_path / "index"
+    for attempt in ("scan", "cache"):
+        with Archive("s3://tars/secret.tar.zst", endpoint_url=url, index_dir=str(index_dir)) as ar:
+            assert ar.format.index_source == attempt
+            assert ar.read("b.txt") == b"beta"
+    with pytest.raises(ArchiveFormatError):
+        Archive("s3://tars/cut.tar.zst", endpoint_url=url, index_dir=str(index_dir))
+    written = [p for p in index_dir.rglob("*") if p.is_file()]
+    assert written
+    for path in written:
+        assert b"S3cretPw" not in path.read_bytes(), path
+
+
+def _tar_bytes_of(members: dict[str, bytes]) -> bytes:
+    import io
+    import tarfile
+
+    with io.BytesIO() as buf:
+        with tarfile.open(fileobj=buf, mode="w") as tf:
+            for name, body in members.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(body)
+                tf.addfile(info, io.BytesIO(body))
+        return buf.getvalue()
 
 
 def _plain_tar(path: Path, members: list[tuple[str, bytes]], mtime: int) -> Path:

@@ -250,7 +250,8 @@ class S3Object:
             )
         # Another endpoint (MinIO beside AWS, two test servers) may hold other bytes under the same
         # bucket, key and ETag (a weak or constant ETag): its persisted index must not be taken.
-        self._endpoint_key = f"endpoint={endpoint_url}" if endpoint_url else ""
+        # Without its user:password: the key is written into the persisted index and failure records.
+        self._endpoint_key = f"endpoint={_redact(endpoint_url)}" if endpoint_url else ""
         self.identity = SourceIdentity(self.location, self.size, version, self._endpoint_key)
         self._cache = cache if cache is not None else ExtentCache(PRIVATE_CACHE)
         workers = max(1, max_connections // 2)
