@@ -511,11 +511,8 @@ plain_run(PyObject *self, PyObject *args)
             }
             if (ends_with_slash)
                 kind = KIND_DIR;
-            else if (kind == KIND_DIR && (usize || csize)) { /* zip.py: a file, by its name */
-                kind = KIND_FILE;
-                if (!have_unix)
-                    mode = 0444 | ((eattr & 0x01) ? 0 : 0200);
-            }
+            else if (kind == KIND_DIR && (usize || csize)) /* zip.py: a file, by its name */
+                kind = KIND_FILE; /* with the attributes' mode, x bits too, as unzip gives it */
         }
         eflags = F_NEEDS_LOCAL_HEADER;
         if ((gflags & (FLAG_ENCRYPTED | FLAG_STRONG_ENCRYPTION)) || method == METHOD_AES)

@@ -13,7 +13,10 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
+import stat
 import struct
+import subprocess
 import time
 import zipfile
 import zlib
@@ -316,12 +319,18 @@ def test_a_directory_by_attributes_alone_with_data_is_a_file(native, monkeypatch
     kinds = dict(zip(snapshot["paths"], snapshot["kind"]))
     modes = dict(zip(snapshot["paths"], snapshot["mode"]))
     assert (kinds["folder"], kinds["notdir"], kinds["empty"]) == (FILE, FILE, DIR)
-    assert (modes["folder"], modes["notdir"]) == (0o644, 0o755)
+    assert (modes["folder"], modes["notdir"]) == (0o755, 0o755)  # "folder" was 0o644
     if not native:  # (the bytes do not depend on the parser)
         (tmp_path / "a.zip").write_bytes(data)
         with Archive(str(tmp_path / "a.zip")) as ar, zipfile.ZipFile(tmp_path / "a.zip") as zf:
             assert ar.read("folder") == zf.read("folder") == b"twelve bytes"
             assert ar.read("notdir") == b"abcde"
+        if shutil.which("unzip"):  # the mode unzip gives them (umask 022)
+            out = tmp_path / "out"
+            unzip = ["unzip", "-q", str(tmp_path / "a.zip"), "-d", str(out)]
+            subprocess.run(unzip, check=True, preexec_fn=lambda: os.umask(0o022))
+            assert (out / "folder").read_bytes() == b"twelve bytes"
+            assert stat.S_IMODE((out / "folder").stat().st_mode) == modes["folder"]
 
 
 def test_prefixed_archive_and_zip64_records(native_run, monkeypatch, caplog):

@@ -304,9 +304,8 @@ class ZipFormat:
             elif kind == DIR and (usize or csize):
                 # A directory by its attributes alone, with data: unzip and zipfile go by the
                 # name (no slash: a file) and extract the data, which a directory would hide.
+                # The mode stays the attributes' (unzip gives such a file a directory's x bits).
                 kind = FILE
-                if st_mode is None:
-                    mode = _dos_mode(eattr, False)
             eflags = NEEDS_LOCAL_HEADER
             if flags & (FLAG_ENCRYPTED | FLAG_STRONG_ENCRYPTION) or method == METHOD_AES:
                 eflags |= ENCRYPTED
@@ -497,7 +496,8 @@ def ext_timestamp(value: int, dos: int) -> float | None:
     As unzip: a value with its top bit set counts only where the DOS time agrees: past 2038
     (Info-ZIP writes later dates there, unsigned) or the 1980 minimum (a time before 1970, which
     zip clamps the DOS field to). Otherwise (say, 1903 beside a DOS date of 2000) the field is a
-    writer's error and the DOS time stands."""
+    writer's error and the DOS time stands. In that pre-1970 case Debian's unzip 6.0 writes the
+    1980 minimum all the same; we give the time the field holds."""
     if value < 1 << 31 or dos >= DOS_2038:
         return float(value)
     if dos == DOS_MINIMUM:
