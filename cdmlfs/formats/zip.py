@@ -180,17 +180,37 @@ class ZipFormat:
                 "file first (zip -s 0 SPLIT.zip --out JOINED.zip)"
             )
         cd_start = cd_end_pos - cd_size
-        if cd_start < 0:
-            raise ArchiveFormatError("corrupt ZIP: central directory size exceeds the file")
-        # Every record takes at least 46 bytes: a count beyond that is a lie the parse will tell.
-        _check_index_fits(max(min(n_total, cd_size // 46), cd_size // 256))
-        # A stub before the archive (self-extractor) shifts every recorded offset by the same amount.
-        self.prefix = cd_start - cd_offset
-        if self.prefix < 0:
-            raise ArchiveFormatError("corrupt ZIP: central directory offset points past its real position")
         mtime = getattr(source, "mtime", 0.0)
-        builder = IndexBuilder(implied_dir_mtime=mtime)
-        found = self._parse_central_directory(cd_start, cd_size, builder, progress)
+        try:
+            if cd_start < 0:
+                raise ArchiveFormatError("corrupt ZIP: central directory size exceeds the file")
+            # A stub before the archive (self-extractor) shifts every recorded offset alike.
+            self.prefix = cd_start - cd_offset
+            if self.prefix < 0:
+                raise ArchiveFormatError("corrupt ZIP: central directory offset is past its real position")
+            # Every record takes at least 46 bytes: a count beyond that is a lie the parse will tell.
+            _check_index_fits(max(min(n_total, cd_size // 46), cd_size // 256))
+            builder = IndexBuilder(implied_dir_mtime=mtime)
+            found = self._parse_central_directory(cd_start, cd_size, builder, progress)
+        except ArchiveFormatError:
+            # The end record's directory size may be the wrong one of its two numbers: where its
+            # offset says, with no stub, the directory may start (unzip reads such archives, with
+            # a warning that bytes are missing or extra).
+            if not 0 <= cd_offset < cd_end_pos or cd_offset == cd_start:
+                raise
+            if source.read_at(cd_offset, 4) != b"PK\x01\x02":
+                raise
+            log.warning(
+                "the ZIP end record says the central directory takes %d bytes, but one starts at its "
+                "recorded offset, %d bytes before the record: read from there",
+                cd_size,
+                cd_end_pos - cd_offset,
+            )
+            self.prefix = 0
+            cd_start, cd_size = cd_offset, cd_end_pos - cd_offset
+            _check_index_fits(max(min(n_total, cd_size // 46), cd_size // 256))
+            builder = IndexBuilder(implied_dir_mtime=mtime)
+            found = self._parse_central_directory(cd_start, cd_size, builder, progress)
         if found != n_total and n_total not in (0xFFFF, 0xFFFFFFFF):
             log.warning("the ZIP central directory holds %d entries, its end record says %d", found, n_total)
         index = builder.finish()
