@@ -737,19 +737,29 @@ def test_a_wrong_seek_table_entry_is_found_and_the_frames_are_located_by_their_h
                 assert any("the seek table is wrong" in w for w in ar.open_warnings), ar.open_warnings
 
 
-def test_a_tar_damaged_behind_a_correct_seek_table_is_still_listed_up_to_the_damage(tmp_path: Path) -> None:
-    """The reading again by the frames' headers keeps the first reading when it lists no more."""
+@pytest.mark.parametrize("sized", [True, False], ids=["sizes in frame headers", "no sizes in headers"])
+def test_a_tar_damaged_behind_a_correct_seek_table_is_still_listed_up_to_the_damage(
+    sized: bool, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A corrupt tar header behind a right seek table: the members before it are listed, with no
+    word about the table. Where the frames the scan skipped state their sizes (as pack writes
+    them), their headers show the table right and the archive is not read a second time (a whole
+    pass, over the network for S3); frames that state none leave only that second reading."""
     from cdmlfs.zstd_seekable import seek_table_frame
 
-    data = bytearray(_tar_bytes({"a": b"a" * 1000, "b": b"b" * 2000}))
-    data[1536] ^= 0xFF  # b's header
-    frames, entries = _framed(bytes(data), [1024], True)
+    data = bytearray(_tar_bytes({"a": b"a" * 1000, "big": text_bytes(3 << 20), "b": b"b" * 2000}))
+    header_b = 512 + 1024 + 512 + (3 << 20)
+    data[header_b] ^= 0xFF
+    frames, entries = _framed(bytes(data), [1 << 20, 2 << 20], sized)  # frame 1 lies inside big
     path = tmp_path / "damaged.tar.zst"
     path.write_bytes(b"".join(frames) + seek_table_frame(entries))
-    with Archive(str(path), index_dir=str(tmp_path / "idx")) as ar:
-        assert ar.listdir("") == ["a"]
+    level = caplog.at_level(logging.DEBUG, logger="cdmlfs.formats.tar")
+    with level, Archive(str(path), index_dir=str(tmp_path / "idx")) as ar:
+        assert sorted(ar.listdir("")) == ["a", "big"]
         assert ar.read("a") == b"a" * 1000
         assert not any("seek table" in w for w in ar.open_warnings)
+    scans = caplog.text.count("scanned 2 members")
+    assert scans == (1 if sized else 2), caplog.text
 
 
 def _blocks(*members: tuple) -> bytes:

@@ -79,6 +79,7 @@ from cdmlfs.zstd_seekable import (
     SKIPPABLE_BASE,
     Frame,
     looks_like_zstd,
+    parse_frame_header,
     read_seek_table,
 )
 
@@ -561,6 +562,7 @@ class TarFormat:
         self.source = source
         self.name = "tar.zst" if compressed else "tar"
         self.index_source = ""  # "embedded", "cache" or "scan": how the member table was obtained
+        self._unchecked_frames: list[Frame] = []  # of the last scan with a seek table (ZstdScanView)
         persist = getattr(source, "persist_index", True)
         self.store = IndexStore(index_dir, enabled=persist)
         # What keys the saved index: a local file's adds a hash of sampled bytes (LocalFile).
@@ -661,8 +663,9 @@ class TarFormat:
             except SeekTableMismatch as exc:
                 members, table = self._scan_without_seek_table(f"{where}: {exc}", progress)
             else:
-                if members.ending.startswith(DAMAGED_ENDING):
-                    # A wrong size for a frame the scan skipped shows as a header in the wrong place.
+                # A wrong size for a frame the scan skipped shows as a header in the wrong place.
+                damaged = members.ending.startswith(DAMAGED_ENDING)
+                if damaged and not self._headers_agree(self._unchecked_frames):
                     members, table = self._rescan_if_better(members, table, progress)
         warn_about_end(members, where)
         self._save_zstd(members, table)
@@ -674,6 +677,20 @@ class TarFormat:
         members, table = self._scan_zstd_frames(None, progress)
         members.warnings.insert(0, message)  # repeated when the archive opens from the saved index
         return members, table
+
+    def _headers_agree(self, frames: list[Frame]) -> bool:
+        """Whether the frames a scan skipped state in their own headers the sizes the seek table
+        gives them: then a corrupt header is the tar's own, and the archive is not read again
+        (a whole pass over it, over the network for S3). Frames that state no size (the reference
+        seekable writer's) cannot say: False."""
+        for frame in frames:
+            try:
+                header = parse_frame_header(self.source.read_at(frame.offset, 18), frame.offset)
+            except ValueError:
+                return False
+            if header.content_size is None or header.content_size != frame.content_size:
+                return False
+        return True
 
     def _rescan_if_better(self, members: MemberTable, table: FrameTable, progress):
         """The tar read through the seek table stopped at a corrupt header: read it again by the
@@ -714,6 +731,7 @@ class TarFormat:
         table = view.frame_table()
         members.stream_size = table.total
         self.index_source = "scan"
+        self._unchecked_frames = view.unchecked
         log.debug(
             "scanned %d members in %.2fs (%d of %d frames decoded)",
             len(members),

@@ -1038,6 +1038,9 @@ class ZstdScanView:
         self._walker = FrameWalker(source, self._report) if frames is None else None
         self._dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
         self.decoded_frames = 0
+        # Frames whose listed size the scan used without decoding them to their end (it skipped
+        # their bytes): what a wrong seek table entry hides in (TarFormat checks them on damage).
+        self.unchecked: list[Frame] = []
 
     @property
     def has_data_frames(self) -> bool:
@@ -1074,6 +1077,8 @@ class ZstdScanView:
                 self._frame_start += known  # the rest of this frame is skipped member data
                 self._reader = None
                 self._passed()
+                if self._walker is None:
+                    self.unchecked.append(self.frames[self._fi])
                 continue
             if pos < self._pos:
                 raise AssertionError("the tar scan moved backwards")
@@ -1114,6 +1119,8 @@ class ZstdScanView:
             if size is not None and self._frame_start + size <= pos:
                 self._frame_start += size  # all of it is skipped member data: no need to decode
                 self._passed()
+                if self._walker is None:
+                    self.unchecked.append(frame)
                 continue
             if self._walker is None:
                 check_window(self.source, self._fi, frame.offset, frame.comp_size)
