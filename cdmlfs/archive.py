@@ -155,9 +155,10 @@ class Archive:
             raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; known: {known}")
         if isinstance(location, (str, bytes, os.PathLike)):
             location = os.fsdecode(location)
-            if location[:7].lower() == "file://":  # a local path all the same (relative ones too)
+            local = location[:7].lower() == "file://"
+            if local:  # a local path all the same (relative ones too, and "://" further in)
                 location = location[7:]
-            if "://" not in location:  # a pickled Archive reopens it from any working directory
+            if local or "://" not in location:  # a pickled Archive reopens it from any working directory
                 # The directory as the kernel resolves it (abspath folded "link/.." as text and
                 # opened another file than open() would); the archive's own name is kept.
                 head, name = os.path.split(location)

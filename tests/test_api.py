@@ -84,6 +84,11 @@ def test_a_relative_file_uri_pickles_to_the_same_file(archive: Path, tmp_path: P
     (elsewhere / archive.name).write_bytes(b"not it")
     with pickle.loads(blob) as again:
         assert again.read("one_byte") == b"x"
+    odd = tmp_path / "we:" / "a.zip"  # "://" further in a file:// path is part of the path
+    odd.parent.mkdir()
+    odd.write_bytes(archive.read_bytes())
+    with cdmlfs.open(f"file://{tmp_path}/we://a.zip") as ar:
+        assert ar.read("one_byte") == b"x"
 
 
 def test_extract_and_archive_order(archive: Path, tmp_path: Path) -> None:

@@ -284,7 +284,7 @@ def test_a_hard_link_carrying_its_data_is_skipped_over(compressed: bool, tmp_pat
         assert ar.read("hl") == b"base"
         assert ar.read("after.txt") == b"after"
         assert ar.stat("hl").nlink == 2
-        assert not ar.open_warnings
+        assert any("carries 4 bytes of data" in w for w in ar.open_warnings)  # (or a damaged header)
     out = tmp_path / "out"
     out.mkdir()
     subprocess.run(["tar", "-xf", str(path), "-C", str(out)], check=False)  # exits 2, having skipped

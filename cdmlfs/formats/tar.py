@@ -316,9 +316,10 @@ class TarRecords:
                     f"header at offset {pos} ({headers:,} members so far): not a dataset's names"
                 )
             name = th.decode_name(raw_name)
-            has_data = typeflag not in _NO_DATA_TYPES or (
-                typeflag == th.LNKTYPE and size > 0 and _link_data_follows(read(header_end, th.BLOCK))
-            )
+            has_data = typeflag not in _NO_DATA_TYPES
+            if typeflag == th.LNKTYPE and size > 0 and _link_data_follows(read(header_end, th.BLOCK)):
+                has_data = True  # said, as it could also be a damaged header hiding behind the link
+                log.warning("hard link %r carries %d bytes of data (pax linkdata): skipped over", name, size)
             data_off = header_end
             pos = header_end + (th.round_up(size) if has_data else 0)
             pax = {}
@@ -480,6 +481,21 @@ class _KeptWarnings(logging.Handler):
         if record.thread == self.thread and len(self.into) < MAX_KEPT_WARNINGS:
             with contextlib.suppress(Exception):
                 self.into.append(record.getMessage()[:500])
+
+
+class _HeldWarnings(logging.Filter):
+    """Holds back this thread's warnings (a second reading of an archive), to be said or dropped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+        self.messages: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.thread != self.thread or record.levelno != logging.WARNING:
+            return True
+        self.messages.append(record.getMessage()[:500])
+        return False
 
 
 @contextlib.contextmanager
@@ -695,12 +711,18 @@ class TarFormat:
     def _rescan_if_better(self, members: MemberTable, table: FrameTable, progress):
         """The tar read through the seek table stopped at a corrupt header: read it again by the
         frames' own headers, and keep that reading if it lists more (the table was wrong)."""
+        held = _HeldWarnings()  # the first reading has said its warnings: this one's wait
+        log.addFilter(held)
         try:
             again, again_table = self._scan_zstd_frames(None, progress)
         except ArchiveFormatError:
             return members, table
+        finally:
+            log.removeFilter(held)
         if again.ending.startswith(DAMAGED_ENDING) and len(again) <= len(members):
             return members, table  # the damage is in the tar itself
+        again.warnings[:] = held.messages[:MAX_KEPT_WARNINGS]  # kept: its own warnings stand instead
+        repeat_scan_warnings(again)
         damage = members.ending.split(", where")[0]
         message = (
             f"{self.source.identity.location}: the seek table is wrong (read by it, the tar {damage}); "
