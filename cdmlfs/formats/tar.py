@@ -578,7 +578,6 @@ class TarFormat:
         self.source = source
         self.name = "tar.zst" if compressed else "tar"
         self.index_source = ""  # "embedded", "cache" or "scan": how the member table was obtained
-        self._unchecked_frames: list[Frame] = []  # of the last scan with a seek table (ZstdScanView)
         persist = getattr(source, "persist_index", True)
         self.store = IndexStore(index_dir, enabled=persist)
         # What keys the saved index: a local file's adds a hash of sampled bytes (LocalFile).
@@ -670,18 +669,18 @@ class TarFormat:
     def _scan_zstd(self, seek_frames: list[Frame] | None, progress) -> tuple[MemberTable, FrameTable]:
         where = self.source.identity.location
         if seek_frames is None:
-            members, table = self._scan_zstd_frames(None, progress)
+            members, table, _ = self._scan_zstd_frames(None, progress)
         else:
             # The seek table says where frames start and what they hold, so that the scan can skip
             # the frames inside large members; a wrong entry would misplace every header after it.
             try:
-                members, table = self._scan_zstd_frames(seek_frames, progress)
+                members, table, unchecked = self._scan_zstd_frames(seek_frames, progress)
             except SeekTableMismatch as exc:
                 members, table = self._scan_without_seek_table(f"{where}: {exc}", progress)
             else:
                 # A wrong size for a frame the scan skipped shows as a header in the wrong place.
                 damaged = members.ending.startswith(DAMAGED_ENDING)
-                if damaged and not self._headers_agree(self._unchecked_frames):
+                if damaged and not self._headers_agree(unchecked):
                     members, table = self._rescan_if_better(members, table, progress)
         warn_about_end(members, where)
         self._save_zstd(members, table)
@@ -690,7 +689,7 @@ class TarFormat:
     def _scan_without_seek_table(self, why: str, progress) -> tuple[MemberTable, FrameTable]:
         message = f"{why}: the seek table is wrong; locating frames by their headers instead"
         log.warning("%s", message)
-        members, table = self._scan_zstd_frames(None, progress)
+        members, table, _ = self._scan_zstd_frames(None, progress)
         members.warnings.insert(0, message)  # repeated when the archive opens from the saved index
         return members, table
 
@@ -714,7 +713,7 @@ class TarFormat:
         held = _HeldWarnings()  # the first reading has said its warnings: this one's wait
         log.addFilter(held)
         try:
-            again, again_table = self._scan_zstd_frames(None, progress)
+            again, again_table, _ = self._scan_zstd_frames(None, progress)
         except ArchiveFormatError:
             return members, table
         finally:
@@ -732,7 +731,10 @@ class TarFormat:
         again.warnings.insert(0, message)
         return again, again_table
 
-    def _scan_zstd_frames(self, seek_frames: list[Frame] | None, progress) -> tuple[MemberTable, FrameTable]:
+    def _scan_zstd_frames(
+        self, seek_frames: list[Frame] | None, progress
+    ) -> tuple[MemberTable, FrameTable, list[Frame]]:
+        """One scan: the members, the frames, and the listed frames it skipped unchecked."""
         # Without a seek table, frames are found as the scan goes: the archive is read once.
         view = ZstdScanView(self.source, seek_frames, progress)
         started = time.monotonic()
@@ -753,7 +755,6 @@ class TarFormat:
         table = view.frame_table()
         members.stream_size = table.total
         self.index_source = "scan"
-        self._unchecked_frames = view.unchecked
         log.debug(
             "scanned %d members in %.2fs (%d of %d frames decoded)",
             len(members),
@@ -761,7 +762,7 @@ class TarFormat:
             view.decoded_frames,
             len(view.frames),
         )
-        return members, table
+        return members, table, view.unchecked
 
     def _embedded_members(self, frames: list[Frame]) -> MemberTable | None:
         """The member table a ``cdmlfs pack`` archive stores in its last listed skippable frame."""

@@ -188,10 +188,7 @@ class ZipFormat:
             self.prefix = cd_start - cd_offset
             if self.prefix < 0:
                 raise ArchiveFormatError("corrupt ZIP: central directory offset is past its real position")
-            # Every record takes at least 46 bytes: a count beyond that is a lie the parse will tell.
-            _check_index_fits(max(min(n_total, cd_size // 46), cd_size // 256))
-            builder = IndexBuilder(implied_dir_mtime=mtime)
-            found = self._parse_central_directory(cd_start, cd_size, builder, progress)
+            builder, found = self._read_directory(cd_start, cd_size, n_total, mtime, progress)
         except ArchiveFormatError:
             # The end record's directory size may be the wrong one of its two numbers: where its
             # offset says, with no stub, the directory may start (unzip reads such archives, with
@@ -207,10 +204,7 @@ class ZipFormat:
                 cd_end_pos - cd_offset,
             )
             self.prefix = 0
-            cd_start, cd_size = cd_offset, cd_end_pos - cd_offset
-            _check_index_fits(max(min(n_total, cd_size // 46), cd_size // 256))
-            builder = IndexBuilder(implied_dir_mtime=mtime)
-            found = self._parse_central_directory(cd_start, cd_size, builder, progress)
+            builder, found = self._read_directory(cd_offset, cd_end_pos - cd_offset, n_total, mtime, progress)
         if found != n_total and n_total not in (0xFFFF, 0xFFFFFFFF):
             log.warning("the ZIP central directory holds %d entries, its end record says %d", found, n_total)
         index = builder.finish()
@@ -219,6 +213,15 @@ class ZipFormat:
         if found == 0 and n_total:
             raise ArchiveFormatError("corrupt ZIP: central directory has no readable entries")
         return index
+
+    def _read_directory(
+        self, cd_start: int, cd_size: int, n_total: int, mtime: float, progress
+    ) -> tuple[IndexBuilder, int]:
+        """The central directory's records in a fresh builder, and how many were found."""
+        # Every record takes at least 46 bytes: a count beyond that is a lie the parse will tell.
+        _check_index_fits(max(min(n_total, cd_size // 46), cd_size // 256))
+        builder = IndexBuilder(implied_dir_mtime=mtime)
+        return builder, self._parse_central_directory(cd_start, cd_size, builder, progress)
 
     def _read_zip64_eocd(self, eocd_pos: int, recorded: int) -> tuple[int, int, int, int]:
         """Return (entries, cd_size, cd_offset, position where the central directory ends)."""
