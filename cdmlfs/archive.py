@@ -266,6 +266,12 @@ class Archive:
         return f"Archive({self.location!r}, format={self.format.name}, entries={len(self.index) - 1})"
 
     # -- paths ---------------------------------------------------------------
+    def _check_open(self) -> None:
+        """Every question about paths fails on a closed archive, as a closed file's methods do:
+        listings that still answered from the index hid a use after close until the first read."""
+        if self.reader.closed:
+            raise ValueError("I/O operation on a closed archive")
+
     def _resolve(self, path: str, follow: bool = True) -> int:
         """Entry id for ``path``, following symlinks inside the archive (never outside it).
 
@@ -276,8 +282,7 @@ class Archive:
         at the archive's root stays there (the path rule of the whole package);
         a link whose target climbs above the root points outside the archive.
         """
-        if self.reader.closed:
-            raise ValueError("I/O operation on a closed archive")
+        self._check_open()
         text = path if isinstance(path, str) else os.fsdecode(path)
         index = self.index
         eid = index.get(text.lstrip("/"))
@@ -410,6 +415,7 @@ class Archive:
 
     def files(self) -> list[str]:
         """Every regular file path (no directories or symlinks), depth first in listing order."""
+        self._check_open()
         index = self.index
         return [index.paths[e] for e in index.walk(0) if index.kind[e] == FILE]
 
@@ -419,6 +425,7 @@ class Archive:
         Every name of a file, hard links too (next to the name holding the data): a dataset made
         from this list lost the samples whose names were tar hard links.
         """
+        self._check_open()
         index = self.index
         ids = [e for e in index.walk(0) if index.kind[e] == FILE]
         ids.sort(key=lambda e: index.offset[index.data_entry(e)])

@@ -670,6 +670,9 @@ def test_api_behaves_like_python_files_and_zipfile(archive: Path, tmp_path: Path
         ar.read("readme.txt")
     with pytest.raises(ValueError, match="closed archive"):
         kept.read(10)  # its descriptor number may belong to another file by now
+    for query in (ar.files, ar.archive_order, lambda: next(ar.walk())):
+        with pytest.raises(ValueError, match="closed archive"):
+            query()  # listings had answered from the index after close
     with pytest.raises(TypeError, match="cache_sise"):
         cdmlfs.open(str(archive), cache_sise=1 << 20)
     # A relative location pickles as an absolute one: the worker may start elsewhere.
