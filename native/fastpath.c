@@ -86,7 +86,7 @@ typedef struct {
     /* The archive file as opened (set_source_stamp): a read served here checks it is unchanged,
      * as LocalFile.check_unchanged does for Python's reads; has_stamp 0: nothing to check. */
     int has_stamp, stamp_fd;
-    int64_t stamp_size, stamp_mtime_ns;
+    int64_t stamp_size, stamp_mtime_ns, stamp_ctime_ns;
     uint32_t uid, gid;
     int64_t whole_limit;
     getattr_fn py_getattr;
@@ -430,9 +430,11 @@ read_hot(FastPath *t, Py_ssize_t e, char *buf, size_t size, off_t off, uint64_t 
     return (int)n;
 }
 
-/* Whether the archive was written in place since it was opened (its size or mtime moved). A read
- * served here then goes to Python, which fails it (and every later one) and logs why. Checked after
- * the read: a write moves the mtime before its data lands, so a read it touched sees the change. */
+/* Whether the archive may have been written in place since it was opened (its size, mtime or ctime
+ * moved). A read served here then goes to Python, which judges (LocalFile.check_unchanged): it fails
+ * that read and every later one, and logs why, or takes a touch or a chmod for what it is. Checked
+ * after the read: a write moves the mtime and ctime before its data lands, so a read it touched sees
+ * the change; the ctime also when the mtime was put back afterwards (touch -d cannot set it). */
 static int
 source_changed(const FastPath *t)
 {
@@ -442,7 +444,8 @@ source_changed(const FastPath *t)
     if (fstat(t->stamp_fd, &st) != 0)
         return 1;
     return (int64_t)st.st_size != t->stamp_size ||
-           (int64_t)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec != t->stamp_mtime_ns;
+           (int64_t)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec != t->stamp_mtime_ns ||
+           (int64_t)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec != t->stamp_ctime_ns;
 }
 
 static int
@@ -859,12 +862,13 @@ static PyObject *
 FastPath_set_source_stamp(FastPath *self, PyObject *args)
 {
     int fd;
-    long long size, mtime_ns;
-    if (!PyArg_ParseTuple(args, "iLL", &fd, &size, &mtime_ns))
+    long long size, mtime_ns, ctime_ns;
+    if (!PyArg_ParseTuple(args, "iLLL", &fd, &size, &mtime_ns, &ctime_ns))
         return NULL;
     self->stamp_fd = fd;
     self->stamp_size = size;
     self->stamp_mtime_ns = mtime_ns; /* as Python's st_mtime_ns: seconds * 1e9 + nanoseconds */
+    self->stamp_ctime_ns = ctime_ns;
     self->has_stamp = fd >= 0;
     Py_RETURN_NONE;
 }
@@ -881,7 +885,7 @@ static PyMethodDef FastPath_methods[] = {
     {"drop_hot", (PyCFunction)FastPath_drop_hot, METH_VARARGS,
      "drop_hot(start) -> bool: stop serving from the extent at `start` and release it"},
     {"set_source_stamp", (PyCFunction)FastPath_set_source_stamp, METH_VARARGS,
-     "set_source_stamp(fd, size, mtime_ns): fall back to Python for reads once the archive file changed"},
+     "set_source_stamp(fd, size, mtime_ns, ctime_ns): fall back to Python for reads once the archive file changed"},
     {"stats", (PyCFunction)FastPath_stats, METH_NOARGS, "Counters of requests served in C and passed on."},
     {NULL},
 };

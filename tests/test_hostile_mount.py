@@ -595,3 +595,30 @@ def test_an_archive_written_in_place_while_mounted_fails_its_reads(
         fails(mnt / "big.txt", big)
     text = log.read_text()
     assert "was written to after it was opened" in text and "remount" in text, text
+
+
+def test_an_archive_rewritten_with_its_mtime_put_back_fails_mid_read(
+    tmp_path: Path, mnt: Path, both_paths
+) -> None:
+    """A file rewritten in place with the same size and its mtime put back (``dd conv=notrunc`` then
+    ``touch -d``) passed the size-and-mtime check: one read of a member gave the old bytes, then the
+    new ones, with no error. The ctime, which nothing can set back, moves: the rest of the read
+    fails (EIO)."""
+    old = python_zip(tmp_path / "a.zip", {"m.bin": b"A" * (8 << 20)}, zipfile.ZIP_STORED)
+    new = python_zip(tmp_path / "b.zip", {"m.bin": b"B" * (8 << 20)}, zipfile.ZIP_STORED)
+    assert old.stat().st_size == new.stat().st_size
+    was = old.stat()
+    with (
+        mounted(old, mnt, "--cache-size", "16M", "--direct-io-min", "1"),
+        open(mnt / "m.bin", "rb", buffering=0) as f,
+    ):
+        assert f.read(1 << 20) == b"A" * (1 << 20)
+        with open(old, "r+b") as out:
+            out.write(new.read_bytes())
+        os.utime(old, ns=(was.st_atime_ns, was.st_mtime_ns))
+        got = b""
+        with pytest.raises(OSError) as caught:
+            while chunk := f.read(1 << 20):
+                got += chunk
+        assert caught.value.errno == errno.EIO, caught.value
+        assert set(got) <= {ord("A")}, "old and new bytes mixed in one read pass"

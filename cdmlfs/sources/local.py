@@ -75,13 +75,14 @@ class LocalFile:
         self._index_identity: SourceIdentity | None = None
         self.mtime = st.st_mtime
         self.bytes_read = 0  # through read_at (for cdmlfs stats)
-        # What a write in place changes (see check_unchanged); a block device keeps no such record.
-        self.stamp: tuple[int, int] | None = None
+        # What a write in place changes: size, mtime_ns, ctime_ns (see check_unchanged); a block
+        # device keeps no such record.
+        self.stamp: tuple[int, int, int] | None = None
         self._sampled = ""  # _fingerprint at open: tells a touch from a write of other bytes
         if stat.S_ISREG(st.st_mode):
-            self.stamp = (st.st_size, st.st_mtime_ns)
+            self.stamp = _stamp(st)
             self._sampled = _fingerprint(fd, self.size)
-        self.on_restamp: list[Callable[[int, int], object]] = []  # told a new (size, mtime) kept
+        self.on_restamp: list[Callable[[int, int, int], object]] = []  # told a new stamp kept
         self._changed: str | None = None
         self._stamp_lock = threading.Lock()
 
@@ -113,10 +114,12 @@ class LocalFile:
         The reader calls it after each read: a file rewritten under a mount (``cp new.zip
         data.zip``) gave wrong bytes wherever a checksum was not checked again (a verified
         stored member, a deflate interval decoded again after eviction). A write moves the
-        mtime (and the size, mostly) before its data lands, so a read whose bytes it touched
-        sees the change here, after its pread; a file replaced by rename leaves ours as it was.
-        ``chmod`` moves only the ctime, which is not compared; after a ``touch`` (the size and
-        the bytes sampled at open the same) reads go on.
+        mtime and ctime (and the size, mostly) before its data lands, so a read whose bytes it
+        touched sees the change here, after its pread; a file replaced by rename leaves ours as
+        it was. The ctime because ``touch -d`` can put the mtime back after a write (and then a
+        read pass gave old bytes, then new ones), but nothing sets the ctime. A ``chmod``, a
+        ``touch`` or a hard link move it too: when the size and the bytes sampled at open are the
+        same, reads go on.
         """
         if self._changed is None:
             fd = self._fd
@@ -126,24 +129,24 @@ class LocalFile:
                 st = os.fstat(fd)
             except OSError:
                 return  # the read itself says what is wrong
-            if (st.st_size, st.st_mtime_ns) == self.stamp:
+            if _stamp(st) == self.stamp:
                 return
             with self._stamp_lock:  # one thread samples the file again; the others wait for its verdict
-                if self._changed is None and (st.st_size, st.st_mtime_ns) != self.stamp:
+                if self._changed is None and _stamp(st) != self.stamp:
                     self._judge(fd, st)
             if self._changed is None:
                 return
         raise SourceChangedError(self._changed)
 
     def _judge(self, fd: int, st: os.stat_result) -> None:
-        """A new size or mtime: a touch (or the same bytes copied over, cp -p) keeps the samples of
-        the file taken at open, and is let be; anything else is a change."""
+        """A new size, mtime or ctime: a touch, a chmod (or the same bytes copied over, cp -p)
+        keeps the samples of the file taken at open, and is let be; anything else is a change."""
         if self._fd < 0:  # closed meanwhile: the number may read /dev/null now
             return
         size = self.stamp[0]  # type: ignore[index]
         if st.st_size == size and self._sampled and _fingerprint(fd, size) == self._sampled:
-            self.stamp = (st.st_size, st.st_mtime_ns)
-            log.info("%s: its mtime moved, its bytes did not (sampled): reads go on", self.path)
+            self.stamp = _stamp(st)
+            log.info("%s: its mtime or ctime moved, its bytes did not (sampled): reads go on", self.path)
             for hook in self.on_restamp:
                 hook(*self.stamp)
             return
@@ -231,6 +234,10 @@ class _RetiredDescriptors:
 
 
 _retired = _RetiredDescriptors()
+
+
+def _stamp(st: os.stat_result) -> tuple[int, int, int]:
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _identity(path: str, st: os.stat_result, size: int) -> SourceIdentity:
