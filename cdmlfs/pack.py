@@ -64,6 +64,7 @@ from typing import BinaryIO, NamedTuple
 import zstandard
 
 from cdmlfs import inflate, tar_stream
+from cdmlfs.decoders import MAX_WINDOW
 from cdmlfs.errors import ArchiveFormatError, CdmlfsError, UsageError
 from cdmlfs.formats import tarheader as th
 from cdmlfs.formats.tar import EMBEDDED_INDEX_NIBBLE, decode_embedded_index, encode_embedded_index
@@ -1027,7 +1028,9 @@ def _pack(
             # An output inside the directory (overwritten with --force) is not packed into itself.
             skip = os.path.join(os.path.realpath(src), _inside(src, out))
             listed = entries_from_directory(src, skip=skip, changed=changed)
-            entries = _as_they_are_now(listed)
+            # Counted as written: files removed since the listing are left out (the summary counted them).
+            tally = StreamTally()
+            entries = tally.count(_as_they_are_now(listed))
             total = _bytes_to_write(listed, kind)
         else:
             from cdmlfs.archive import Archive
@@ -1038,7 +1041,9 @@ def _pack(
             tar_log = logging.getLogger("cdmlfs.formats.tar")
             tar_log.addFilter(held)
             try:
-                archive = Archive(src, cache_size=256 << 20, **archive_options)
+                # Any window zstd's default takes (128 MiB): a mount's rule (a quarter of its cache)
+                # sends such archives here to be converted.
+                archive = Archive(src, cache_size=256 << 20, window_limit=MAX_WINDOW, **archive_options)
             finally:
                 tar_log.removeFilter(held)
             if not getattr(archive.format, "damaged", False):

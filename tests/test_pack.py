@@ -1186,6 +1186,36 @@ def test_files_are_packed_as_they_are_when_their_turn_comes(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("fmt", ["tar", "zip"])
+def test_the_summary_counts_the_members_written_not_those_listed(tmp_path: Path, fmt: str) -> None:
+    """Files removed while a pack runs are left out, and warned about: the summary ("packed N
+    members") still counted them from the listing."""
+    import tarfile
+
+    from cdmlfs.pack import pack
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(os.urandom(8 << 20))  # read in chunks: progress is said before its end
+    for i in range(3):
+        (src / f"z{i}.txt").write_bytes(b"later")
+
+    def remove_the_rest(done: int, total: int) -> None:  # called once a.bin is under way
+        for i in range(3):
+            (src / f"z{i}.txt").unlink(missing_ok=True)
+
+    out = tmp_path / f"o.{fmt}"
+    summary = pack(str(src), str(out), progress=remove_the_rest)
+    if fmt == "zip":
+        with zipfile.ZipFile(out) as zf:
+            names = zf.namelist()
+    else:
+        with tarfile.open(out) as tf:
+            names = tf.getnames()
+    assert names == ["a.bin"], names
+    assert summary["members"] == 1 and summary["bytes"] == 8 << 20 and summary["changed"] == 3, summary
+
+
+@pytest.mark.parametrize("fmt", ["tar", "zip"])
 def test_hard_links_are_packed_as_they_are_when_their_turn_comes(tmp_path: Path, fmt: str) -> None:
     """A hard link replaced by another file after the listing was still packed as a link to its
     old first name (that name's bytes, exit 0); a link handed to a stand-in for a removed first
