@@ -91,6 +91,12 @@ _NOT_FUSE_OPTIONS = {
     "debug": " (use --debug)",
 }
 """Keyword arguments of mfusepy's FUSE class that ``-o`` would otherwise reach."""
+# FUSE options libfuse takes but a cdmlfs mount cannot: their failure said only "init() and
+# fuse_session_new() requested different maximum read size" or "mount failed: No such file or directory".
+_UNFIT_FUSE_OPTIONS = {
+    "max_read": "not supported (reads are served at the size the kernel asks for)",
+    "blkdev": "for file systems on a block device (fuseblk), which an archive mount is not",
+}
 
 
 def parse_fuse_options(values: list[str]) -> dict[str, str | bool]:
@@ -111,6 +117,8 @@ def parse_fuse_options(values: list[str]) -> dict[str, str | bool]:
                 raise UsageError(f"-o {key}: cdmlfs sets it (its commands find their mounts by it)")
             if key in _NOT_FUSE_OPTIONS:  # mfusepy's own arguments: a traceback, or a changed loop
                 raise UsageError(f"-o {key}: not a FUSE mount option{_NOT_FUSE_OPTIONS[key]}")
+            if key in _UNFIT_FUSE_OPTIONS:
+                raise UsageError(f"-o {key}: {_UNFIT_FUSE_OPTIONS[key]}")
             opts[key] = val if sep else True
     return opts
 

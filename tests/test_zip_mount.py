@@ -295,6 +295,8 @@ def test_cli_errors_are_one_line_and_leave_no_mount(tmp_path: Path, mnt: Path) -
         ("mount", "-f", str(good), str(mnt), "--pid-file", str(tmp_path)),
         ("mount", str(good), str(mnt), "--readahead", "3G"),  # would evict what it read ahead
         ("mount", str(good), str(mnt), "-o", "subtype=mine"),  # cdmlfs stats would not find it
+        ("mount", str(good), str(mnt), "-o", "max_read=4096"),  # libfuse's words named no option
+        ("mount", str(good), str(mnt), "-o", "blkdev"),  # "No such file or directory"
         ("pack", str(good), str(tmp_path / "out.tar.zst"), "--threads", "0"),
     ]
     for args in cases:
@@ -303,6 +305,8 @@ def test_cli_errors_are_one_line_and_leave_no_mount(tmp_path: Path, mnt: Path) -
         assert res.returncode != 0, args
         # in the foreground too, where libfuse's own complaint went straight to the terminal first
         assert len(err.splitlines()) == 1 and "Traceback" not in err, (args, err)
+        if "-o" in args:
+            assert args[args.index("-o") + 1].split("=")[0].split(",")[-1] in err, (args, err)
     assert not is_mounted(mnt) and not is_mounted(nonempty)
     res = run_cli("mount", str(good), str(mnt), "--pid-file", str(tmp_path / "no" / "x.pid"))
     assert res.returncode == 2 and "--pid-file" in res.stderr.decode()  # said before any mount, as usage
