@@ -20,7 +20,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from cdmlfs import forksafe
+from cdmlfs import decoders, forksafe
 from cdmlfs.cache import ExtentCache
 from cdmlfs.errors import (
     ArchiveFormatError,
@@ -146,9 +146,14 @@ class Archive:
         location: str | os.PathLike | Source,
         cache_size: int | str = DEFAULT_CACHE_SIZE,
         progress: Callable[[int, int], None] | None = None,
+        *,
+        window_limit: int | None = None,
         **options,
     ) -> None:
         cache_size = _cache_bytes(cache_size)
+        # The largest decoder window (memory beside the cache) taken: a quarter of the cache by
+        # default (decoders.window_limit); pack, which holds no cache's worth, takes any zstd does.
+        window_limit = window_limit or decoders.window_limit(cache_size)
         unknown = set(options) - OPTIONS
         if unknown:  # a misspelt option (endpoint= for endpoint_url=) must not be dropped silently
             known = ", ".join(sorted(OPTIONS))
@@ -177,7 +182,7 @@ class Archive:
             # What opening found worth a warning (a truncated tar, a damaged seek table...): a
             # daemon repeats it in its log, where a user looks later (the terminal may be gone).
             with _keeping_warnings() as self.open_warnings:
-                self.format = open_format(self.source, progress=progress, **options)
+                self.format = open_format(self.source, progress=progress, window_max=window_limit, **options)
         except ArchiveFormatError as exc:
             self.source.close()
             # Name the archive: a job that mounts several (or a container log) must say which failed.
@@ -188,7 +193,7 @@ class Archive:
             raise
         self.index: Index = self.format.index
         try:
-            self.reader = ExtentReader(self.format, self.cache)
+            self.reader = ExtentReader(self.format, self.cache, window_limit)
         except BaseException:
             self.source.close()
             raise

@@ -44,6 +44,30 @@ def method_name(method: int) -> str:
 # Largest decoder window (LZMA dictionary) we allocate: a member's header chooses it, and the
 # decoder touches up to that much memory outside the cache. Same limit as zstd's default (2**27).
 MAX_WINDOW = 1 << 27
+# Taken whatever the cache: what zstd -19 and the frames of cdmlfs pack need (see window_limit).
+WINDOW_FLOOR = 8 << 20
+
+
+def window_limit(cache_limit: int) -> int:
+    """The largest decoder window a reader whose cache holds ``cache_limit`` bytes takes.
+
+    A window (a zstd frame's, an LZMA dictionary) is memory outside the cache for as long as its
+    decoder lives: a tar.zst written with ``zstd --long=27`` held 128 MiB next to a 16 MiB cache,
+    and the daemon peaked at 160 MiB. A quarter of the cache keeps windows in proportion to the
+    bound the user set (the default cache takes the 128 MiB of ``--long=27``); 8 MiB whatever
+    the cache, so the archives most tools write read with any cache.
+    """
+    return min(MAX_WINDOW, max(WINDOW_FLOOR, cache_limit // 4))
+
+
+def window_refusal(window: int, limit: int) -> str:
+    """Why a decoder of ``window`` bytes is refused under ``limit`` (window_limit), and what to do."""
+    need = -(-4 * window // (1 << 20))  # MiB, rounded up: the cache whose quarter takes it
+    return (
+        f"needs a {-(-window // (1 << 20))} MiB decoding window, more than the {limit >> 20} MiB "
+        f"this cache allows a decoder (a quarter of it, 8 MiB at least): mount with "
+        f"--cache-size {need}M or more"
+    )
 
 
 def _lzma_zip_filters(header: bytes, size: int | None = None) -> list[dict]:

@@ -128,13 +128,15 @@ class _Forward:
 class ExtentReader:
     """Serves member bytes for the FUSE layer and the Python API."""
 
-    def __init__(self, fmt: ArchiveFormat, cache: ExtentCache) -> None:
+    def __init__(self, fmt: ArchiveFormat, cache: ExtentCache, window_limit: int | None = None) -> None:
         self.fmt = fmt
         self.index = fmt.index
         self.source = fmt.source
         self.cache = cache
         self._fd = fmt.source.fileno()
         self.whole_limit = min(WHOLE_MEMBER_MAX, cache.limit // 4)
+        # The largest window of a forward decoder (memory outside the cache): decoders.window_limit.
+        self.window_limit = window_limit or decoders.window_limit(cache.limit)
         self.extent_size = max(64 << 10, min(EXTENT_SIZE, cache.limit // 4))
         # Per member: UNCHECKED, VERIFIED (its CRC checked) or CORRUPT (a check failed: every later read
         # fails too, whatever path or offset it takes, so no page of it is ever served unverified again).
@@ -156,7 +158,7 @@ class ExtentReader:
         self._closed = False
         if self.stream is not None and hasattr(self.stream, "bound_extents"):
             # A container extent (a whole zstd frame) is reserved in one piece: it must fit this cache.
-            self.stream.bound_extents(self.whole_limit, self.extent_size, cache)
+            self.stream.bound_extents(self.whole_limit, self.extent_size, cache, self.window_limit)
         # Bytes read straight from the file descriptor (the rest is counted by the source itself).
         self.bytes_direct = 0
         # Told (cache key, stream offset, bytes or mmap) of each container extent a read is served from:
@@ -599,6 +601,12 @@ class ExtentReader:
                 fw.close()
                 at, comp = self.fmt.data_offset(eid), ix.comp_size[eid]
                 fw.window = decoders.window_size(self.source, ix.method[eid], at, comp, total)
+                if fw.window > self.window_limit:
+                    with self._lock:
+                        if self._forward.get(eid) is fw:
+                            del self._forward[eid]
+                    why = decoders.window_refusal(fw.window, self.window_limit)
+                    raise MemberError(f"{decoders.method_name(ix.method[eid])} member {why}")
                 self._make_room_for_window(eid, fw.window)
                 fw.stream = decoders.open_stream(self.source, ix.method[eid], at, comp, total)
                 fw.pos = 0

@@ -740,6 +740,34 @@ def test_zip_stream_decoder_windows_stay_within_one_decode_budget(tmp_path: Path
         assert len(live) == 2 and all(fw.window == 8 << 20 for fw in live)
 
 
+def test_a_zip_member_whose_window_outgrows_the_cache_fails_naming_the_cache_that_reads_it(
+    tmp_path: Path,
+) -> None:
+    """A zstd member written with a 128 MiB window (cut to its 24 MiB) is read forward beside a
+    16 MiB cache: its decoder held 24 MiB outside the cache. Refused (EIO on a mount), naming the
+    --cache-size that reads it; the other members read, and so does it with that cache."""
+    import zstandard
+
+    data = random.Random(6).randbytes(1 << 20) * 24
+    params = zstandard.ZstdCompressionParameters.from_level(1, window_log=27)
+    obj = zstandard.ZstdCompressor(compression_params=params).compressobj()  # no content size
+    comp = obj.compress(data) + obj.flush()
+    members = [
+        craft.ZipMember(b"big.bin", comp, 93, zlib.crc32(data), len(data)),
+        craft.member("ok", b"fine"),
+    ]
+    blob = craft.build_zip(members)
+    with _open(blob, tmp_path, cache=16 << 20) as ar:
+        with pytest.raises(
+            MemberError, match=r"big.bin: zstd member needs a 24 MiB decoding window.*--cache-size 96M"
+        ):
+            ar.read("big.bin", 1 << 20, 100)
+        assert ar.read("ok") == b"fine"
+        assert not ar.reader._forward
+    with _open(blob, tmp_path, cache=96 << 20) as ar:
+        assert ar.read("big.bin", 1 << 20, 100) == data[1 << 20 : (1 << 20) + 100]
+
+
 def test_whole_stream_decodes_reserve_their_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A member decoded whole has its decoder's window outside the cache while it runs: only the
     output was reserved, and four decodes at once held about one more cache (+80 MiB over 64)."""

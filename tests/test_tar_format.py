@@ -1278,6 +1278,39 @@ def test_a_zstd_window_beyond_the_bound_is_refused_with_what_to_do(tmp_path: Pat
         assert ar.read("a.txt") == b"hello\n"
 
 
+def test_a_zstd_window_over_a_quarter_of_the_cache_is_refused_naming_the_cache_that_takes_it(
+    tmp_path: Path,
+) -> None:
+    """zstd --long=27 from a pipe declares a 128 MiB window, which a decoder holds outside the cache:
+    beside a 16 MiB cache the daemon peaked at 160 MiB. Refused, naming the --cache-size that takes
+    it (the default does), also when a saved index spares the scan."""
+    data = text_bytes(12 << 20, 5)
+    plain = tmp_path / "t.tar"
+    with tarfile.open(plain, "w") as tf:
+        _add(tf, "big.txt", data)
+    packed = tmp_path / "long.tar.zst"
+    with open(plain, "rb") as src, open(packed, "wb") as out:
+        subprocess.run(["zstd", "-q", "--long=27", "-c"], stdin=src, stdout=out, check=True)
+    idx = str(tmp_path / "idx")
+    with pytest.raises(ArchiveFormatError, match=r"128 MiB decoding window.*--cache-size 512M") as exc:
+        Archive(str(packed), cache_size="16M", index_dir=idx)
+    assert "corrupt" not in str(exc.value) and "cdmlfs pack" in str(exc.value)
+    with Archive(str(packed), index_dir=idx) as ar:  # the default cache: 512M
+        assert ar.read("big.txt", 9 << 20, 1000) == data[9 << 20 : (9 << 20) + 1000]
+        assert ar.format.index_source == "scan"
+    # The index saved above: no scan. The frame holds 12 MiB, which the window is cut to.
+    with pytest.raises(ArchiveFormatError, match=r"13 MiB decoding window.*--cache-size 49M"):
+        Archive(str(packed), cache_size="16M", index_dir=idx)
+    with Archive(str(packed), cache_size="49M", index_dir=idx) as ar:
+        assert ar.read("big.txt", 9 << 20, 1000) == data[9 << 20 : (9 << 20) + 1000]
+    # What the refusal says works, to a ZIP too (read as an archive with pack's 256 MiB cache).
+    from cdmlfs.pack import pack
+
+    pack(str(packed), str(tmp_path / "o.zip"), index_dir=idx)
+    with zipfile.ZipFile(tmp_path / "o.zip") as zf:
+        assert zf.read("big.txt") == data
+
+
 def test_progress_is_reported_for_the_scan(tmp_path: Path, many_files: Path) -> None:
     archive = _single_frame(tmp_path, many_files)
     calls: list[tuple[int, int]] = []

@@ -154,6 +154,25 @@ def test_single_frame_archive_larger_than_the_cache_budget(tmp_path: Path, mnt: 
                 assert (mnt / f"f{i:02d}.bin").read_bytes() == (src / f"f{i:02d}.bin").read_bytes()
 
 
+def test_mount_refuses_a_zstd_window_the_cache_cannot_bound(tmp_path: Path, mnt: Path) -> None:
+    """A tar.zst written with zstd --long=27 needs a 128 MiB decoder window beside the cache: with
+    --cache-size 16M the daemon peaked at 160 MiB. The mount is refused in one line naming the
+    cache that takes it, and leaves no mount; with that cache it mounts and reads."""
+    data = os.urandom(1 << 20) * 6
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "big.bin").write_bytes(data)
+    archive = gnu_tar(tmp_path / "long.tar.zst", src, "gnu", ["zstd", "-q", "--long=27", "-c"])
+    idx = ("--index-dir", str(tmp_path / "idx"))
+    res = run_cli("mount", str(archive), str(mnt), "--cache-size", "16M", *idx)
+    err = res.stderr.decode().strip()
+    assert res.returncode == 1 and len(err.splitlines()) == 1, err
+    assert "128 MiB decoding window" in err and "--cache-size 512M" in err and "Traceback" not in err
+    assert not is_mounted(mnt)
+    with mounted(archive, mnt, "--cache-size", "512M", *idx):
+        assert (mnt / "big.bin").read_bytes() == data
+
+
 def test_mount_refuses_non_tar_zstd(tmp_path: Path, mnt: Path) -> None:
     blob = tmp_path / "notatar.zst"
     blob.write_bytes(zstandard.ZstdCompressor().compress(os.urandom(100_000)))

@@ -63,6 +63,7 @@ from cdmlfs.errors import ArchiveFormatError
 from cdmlfs.formats import tarheader as th
 from cdmlfs.formats.tarmembers import HARDLINK, MemberTable, MemberTableError
 from cdmlfs.formats.zstdstream import (
+    MAX_WINDOW,
     FrameTable,
     RawScanView,
     RawStream,
@@ -122,8 +123,8 @@ def _is_tar(head: bytes, tail: bytes) -> bool:
     return th.looks_like_tar(head)
 
 
-def open_tar_zst(source: Source, progress=None, index_dir=None, **_) -> TarFormat:
-    return TarFormat(source, compressed=True, progress=progress, index_dir=index_dir)
+def open_tar_zst(source: Source, progress=None, index_dir=None, window_max=MAX_WINDOW, **_) -> TarFormat:
+    return TarFormat(source, compressed=True, progress=progress, index_dir=index_dir, window_max=window_max)
 
 
 def open_tar(source: Source, progress=None, index_dir=None, **_) -> TarFormat:
@@ -574,6 +575,7 @@ class TarFormat:
         compressed: bool,
         progress: Callable[[int, int], None] | None = None,
         index_dir: str | None = None,
+        window_max: int = MAX_WINDOW,
     ) -> None:
         self.source = source
         self.name = "tar.zst" if compressed else "tar"
@@ -584,6 +586,7 @@ class TarFormat:
         index_identity = getattr(source, "index_identity", None)
         self._key = index_identity() if index_identity is not None and persist else source.identity
         self._mtime = getattr(source, "mtime", 0.0)
+        self._window_max = window_max  # the largest zstd window the scan decodes (decoders.window_limit)
         if compressed:
             members, frames = self._open_zstd(progress)
             self.stream: ZstdStream | RawStream = ZstdStream(source, frames, source.identity.location)
@@ -736,7 +739,7 @@ class TarFormat:
     ) -> tuple[MemberTable, FrameTable, list[Frame]]:
         """One scan: the members, the frames, and the listed frames it skipped unchecked."""
         # Without a seek table, frames are found as the scan goes: the archive is read once.
-        view = ZstdScanView(self.source, seek_frames, progress)
+        view = ZstdScanView(self.source, seek_frames, progress, self._window_max)
         started = time.monotonic()
         members = MemberTable()
         not_tar = False

@@ -55,8 +55,9 @@ from collections.abc import Callable, Hashable
 
 import zstandard
 
+from cdmlfs import decoders
 from cdmlfs.cache import ExtentCache, Reservation
-from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, SourceError
+from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, MemberError, SourceError
 from cdmlfs.formats import zstdframes
 from cdmlfs.sizes import human_bytes
 from cdmlfs.sources.base import Source, SourceRange
@@ -178,25 +179,31 @@ class FrameTable:
 EMPTY_FRAME_MAX = 64  # bytes: header (at most 18) + an empty last block (3) + checksum (4), with room
 
 
-def check_window(source: Source, i: int, offset: int, comp_size: int) -> None:
-    """Refuse a frame whose decoder window is beyond MAX_WINDOW, saying why and what to do.
+def check_window(source: Source, i: int, offset: int, comp_size: int, limit: int = MAX_WINDOW) -> None:
+    """Refuse a frame whose decoder window is beyond ``limit``, saying why and what to do.
 
-    ``zstd --long=N`` (N > 27) writes such frames; decoding one needs 2**N bytes outside the
-    cache. zstd's own error ("frame requires too much memory") read as a corrupt archive.
+    ``zstd --long=N`` writes such frames; decoding one needs 2**N bytes outside the cache.
+    zstd's own error ("frame requires too much memory") read as a corrupt archive.
     """
     try:
         window = parse_frame_header(source.read_at(offset, min(18, comp_size))).window_size
     except ValueError:
         return  # not a valid header: the decode says so
-    refuse_large_window(i, window)
+    refuse_large_window(i, window, limit)
 
 
-def refuse_large_window(i: int, window: int) -> None:
+def refuse_large_window(i: int, window: int, limit: int = MAX_WINDOW) -> None:
+    """Over MAX_WINDOW: only pack reads it; over ``limit`` (decoders.window_limit of the cache):
+    a larger cache reads it too."""
     if window > MAX_WINDOW:
         raise ArchiveFormatError(
             f"zstd frame #{i} needs a {window >> 20} MiB decoding window (written with zstd --long); "
             f"cdmlfs decodes windows of up to {MAX_WINDOW >> 20} MiB to keep its memory bound: "
             + _LONG_WINDOW_HINT
+        )
+    if window > limit:
+        raise ArchiveFormatError(
+            f"zstd frame #{i} {decoders.window_refusal(window, limit)}, or {_LONG_WINDOW_HINT}"
         )
 
 
@@ -280,6 +287,7 @@ class ZstdStream:
         self.frames = frames
         self.total = frames.total
         self.whole_max = DEFAULT_WHOLE_MAX
+        self.window_max = MAX_WINDOW  # a forward decoder's window (outside the cache): see bound_extents
         self.piece = DEFAULT_PIECE
         self._fd = source.fileno()  # None unless a local file (Source protocol)
         self._cache: ExtentCache | None = None
@@ -323,7 +331,9 @@ class ZstdStream:
             self._cache, self._spare_size, self.source, self._frame_span, finish, len(self.frames)
         )
 
-    def bound_extents(self, whole_max: int, piece: int, cache: ExtentCache | None = None) -> None:
+    def bound_extents(
+        self, whole_max: int, piece: int, cache: ExtentCache | None = None, window_max: int | None = None
+    ) -> None:
         """Called once by the reader: one decode must fit its cache budget.
 
         Frames above ``whole_max`` are served piece by piece from a forward
@@ -333,6 +343,16 @@ class ZstdStream:
         self.whole_max = max(whole_max, piece)
         self.piece = piece
         self._cache = cache
+        if window_max is None and cache is not None:
+            window_max = decoders.window_limit(cache.limit)
+        if window_max is not None:
+            self.window_max = window_max
+            # Refused at mount rather than on each read: frames read piece by piece hold a decoder
+            # window, and those of one archive share their writer's settings (the scan checked
+            # them too, but an index saved by a mount with a larger cache skips it).
+            first = next((i for i, s in enumerate(self.frames.dec_size) if s > self.whole_max), None)
+            if first is not None:
+                refuse_large_window(first, self._window(first), self.window_max)
         whole = [s for s in self.frames.dec_size if s <= self.whole_max]
         largest = max(whole, default=0)
         if (
@@ -703,6 +723,8 @@ class ZstdStream:
                 found.users += 1
                 return found
         window = self._window(i)
+        if window > self.window_max:  # not damage: no lasting verdict on the member
+            raise MemberError(f"zstd frame #{i} {decoders.window_refusal(window, self.window_max)}")
         with self._lock:
             while True:
                 found = self._nearest_cursor(i, target)
@@ -1018,9 +1040,14 @@ class ZstdScanView:
     """
 
     def __init__(
-        self, source: Source, frames: list[Frame] | None, progress: Callable[[int, int], None] | None = None
+        self,
+        source: Source,
+        frames: list[Frame] | None,
+        progress: Callable[[int, int], None] | None = None,
+        window_max: int = MAX_WINDOW,
     ) -> None:
         self.source = source
+        self.window_max = window_max  # larger frame windows are refused (refuse_large_window)
         self.frames = list(frames) if frames is not None else []
         self.sizes: list[int | None] = [None if f.skippable else f.content_size for f in self.frames]
         self._fi = -1  # index of the frame being decoded (or last one passed)
@@ -1123,11 +1150,11 @@ class ZstdScanView:
                     self.unchecked.append(frame)
                 continue
             if self._walker is None:
-                check_window(self.source, self._fi, frame.offset, frame.comp_size)
+                check_window(self.source, self._fi, frame.offset, frame.comp_size, self.window_max)
                 raw = _ListedFrameRange(self.source, self._fi, frame, size, self._report)
             else:
                 assert self._walker.header is not None
-                refuse_large_window(self._fi, self._walker.header.window_size)
+                refuse_large_window(self._fi, self._walker.header.window_size, self.window_max)
                 raw = self._walker.frame_bytes()
             self._reader = self._dctx.stream_reader(raw, read_size=SCAN_CHUNK, read_across_frames=False)
             self._pos = self._frame_start
