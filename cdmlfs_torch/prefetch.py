@@ -127,7 +127,10 @@ class GPUPrefetchLoader:
         self.use_cuda = requested.type == "cuda" and torch.cuda.is_available()
         if self.use_cuda and requested.index is None:
             requested = torch.device("cuda", torch.cuda.current_device())
-        self.device = requested if self.use_cuda or requested.type not in ("cuda", "cpu") else None
+        # Where batches are copied (None: they stay where they are, the CPU pass-through)...
+        self._copy_to = requested if self.use_cuda or requested.type not in ("cuda", "cpu") else None
+        # ...and where they come out, for `x.to(loader.device)` (it was None on the CPU).
+        self.device = self._copy_to or torch.device("cpu")
         self.prefetch = prefetch
         self.channels_last = channels_last
         self.dtype = dtype
@@ -147,6 +150,7 @@ class GPUPrefetchLoader:
             )
         self._stats: dict[torch.device | None, tuple[Any, Any, Any]] = {}
         self._images_seen = mean is None and std is None  # nothing to check without them
+        self._range_seen = False  # the values of the first non-uint8 images is_image accepted (see below)
         self._stream: torch.cuda.Stream | None = None
         self._metrics = LoaderMetrics()
 
@@ -222,6 +226,9 @@ class GPUPrefetchLoader:
         The usual cause: a transform ending in ``ToTensor()`` makes float images, which are left
         as they are, so training would see un-normalised inputs without a word.
         """
+        if not self._range_seen:
+            self._range_seen = True
+            self._check_range([t for t in _tensors_in(batch) if t.dtype != torch.uint8 and self.is_image(t)])
         if self._images_seen:
             return
         self._images_seen = True  # the first batch tells: its layout is every batch's
@@ -245,6 +252,29 @@ class GPUPrefetchLoader:
                 stacklevel=3,
             )
 
+    @staticmethod
+    def _check_range(images: list[torch.Tensor]) -> None:
+        """Warn once when an ``is_image`` that accepts other types than uint8 gave images whose values
+        are not 0..255: all of them divided by 255, ``ToTensor()``'s floats in [0, 1] came out as
+        about -2 after ImageNet stats, and 16-bit ones as up to 250, and training went on."""
+        for t in images:
+            if not t.numel():
+                continue
+            low, high = float(t.min()), float(t.max())  # the first batch's only: on the host, before the copy
+            if t.is_floating_point() and high <= 1.0:
+                why = f"float values within [{low:g}, {high:g}] (ToTensor()'s range, already divided by 255)"
+            elif high > 255 or low < 0:
+                why = f"values within [{low:g}, {high:g}]"
+            else:
+                continue
+            warnings.warn(
+                f"GPUPrefetchLoader: is_image accepted {str(t.dtype).removeprefix('torch.')} images with "
+                f"{why}; images are taken as 0..255 values and divided by 255: make them uint8 in the "
+                "transform (PILToTensor()/v2.ToImage()), or normalise there and leave them out of is_image",
+                stacklevel=4,
+            )
+            return
+
     def _convert(self, t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
         """One tensor: to ``device`` (None: stay on the CPU), normalised if it is an image."""
         if device is not None and t.device != device:
@@ -255,7 +285,7 @@ class GPUPrefetchLoader:
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
+            self._stream = torch.cuda.Stream(device=self._copy_to)
         return self._stream
 
 
@@ -285,7 +315,7 @@ class _PassThroughIterator:
         owner = self._owner
         try:
             owner._check_images(batch)
-            out = map_tensors(batch, lambda t: owner._convert(t, owner.device))
+            out = map_tensors(batch, lambda t: owner._convert(t, owner._copy_to))
         except StopIteration as exc:  # leaving __next__, it would end the pass: an error, as on CUDA
             raise RuntimeError(f"a batch's conversion raised StopIteration: {exc}") from exc
         self._metrics.add_wait(time.perf_counter() - t0)
@@ -361,7 +391,7 @@ def _issue_on_side_stream(
 ) -> tuple[Any, torch.cuda.Event, Any]:
     """Queue the copy and normalisation of one host batch on the side stream."""
     owner._check_images(host)
-    device = owner.device
+    device = owner._copy_to
     # Tensors already on the GPU (decoded there) may still be being written by work queued on
     # the consumer's stream: the side stream must not read them before it is done. Host
     # tensors need no such wait, which would hold their copy behind the running step.
@@ -405,7 +435,7 @@ class _CudaPrefetchIterator:
             self._done = True
             self._metrics.finish(time.perf_counter() - t0)  # the workers' shutdown is waited for
             raise
-        consumer = torch.cuda.current_stream(self._owner.device)
+        consumer = torch.cuda.current_stream(self._owner._copy_to)
         consumer.wait_event(ready)
 
         def hand_over(t: torch.Tensor) -> torch.Tensor:

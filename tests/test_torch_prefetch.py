@@ -69,9 +69,9 @@ def test_without_cuda_device_cuda_is_a_pass_through() -> None:
         pytest.skip("CUDA is available: covered by test_torch_cuda.py")
     base = image_loader()
     loader = GPUPrefetchLoader(base, mean=MEAN, std=STD)  # device="cuda" by default
-    assert not loader.use_cuda
+    assert not loader.use_cuda and loader.device == torch.device("cpu")  # it was None
     x, _ = next(iter(loader))
-    assert x.device.type == "cpu" and torch.equal(x, manual(next(iter(base))[0]))
+    assert x.device == loader.device and torch.equal(x, manual(next(iter(base))[0]))
 
 
 Pair = namedtuple("Pair", "image mask")
@@ -124,6 +124,34 @@ def test_float_images_chosen_by_is_image_are_not_changed_in_place() -> None:
         out = [batch[0] for batch in loader]
         assert all(torch.equal(x, torch.ones(3, 4, 4)) for x in out)
     assert torch.equal(images, torch.full((2, 3, 4, 4), 255.0))
+
+
+def test_images_is_image_accepts_outside_0_to_255_get_one_warning() -> None:
+    """An ``is_image`` taking ToTensor()'s floats (already in [0, 1]) or 16-bit images had them
+    divided by 255 like uint8 ones, silently: inputs of about -2 after ImageNet stats."""
+    import warnings
+
+    def passes(images: torch.Tensor) -> list[str]:
+        loader = GPUPrefetchLoader(
+            DataLoader(TensorDataset(images), batch_size=2),
+            device="cpu",
+            mean=MEAN,
+            std=STD,
+            is_image=lambda t: t.dim() == 4,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                for _batch in loader:
+                    pass
+        return [str(w.message) for w in caught]
+
+    said = passes(torch.rand(4, 3, 4, 4))
+    assert len(said) == 1 and "ToTensor()'s range" in said[0] and "divided by 255" in said[0], said
+    said = passes(torch.full((4, 3, 4, 4), 60000, dtype=torch.int32))
+    assert len(said) == 1 and "int32 images with values within [60000, 60000]" in said[0], said
+    assert passes(torch.full((4, 3, 4, 4), 200.0)) == []  # 0..255 floats: as meant
+    assert passes(torch.randint(0, 255, (4, 3, 4, 4), dtype=torch.uint8)) == []
 
 
 def test_bad_arguments() -> None:
