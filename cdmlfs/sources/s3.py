@@ -35,6 +35,7 @@ import os
 import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 
 from cdmlfs import __version__, forksafe
@@ -251,7 +252,10 @@ class S3Object:
         # Another endpoint (MinIO beside AWS, two test servers) may hold other bytes under the same
         # bucket, key and ETag (a weak or constant ETag): its persisted index must not be taken.
         # Without its user:password: the key is written into the persisted index and failure records.
-        self._endpoint_key = f"endpoint={_redact(endpoint_url)}" if endpoint_url else ""
+        # The endpoint the SDK resolved: one set by AWS_ENDPOINT_URL or a profile's endpoint_url (as
+        # MinIO users do) was left out, and another server's saved index was taken (wrong bytes).
+        endpoint = endpoint_url or _custom_endpoint(getattr(self._s3().meta, "endpoint_url", ""))
+        self._endpoint_key = f"endpoint={_redact(endpoint)}" if endpoint else ""
         self.identity = SourceIdentity(self.location, self.size, version, self._endpoint_key)
         self._cache = cache if cache is not None else ExtentCache(PRIVATE_CACHE)
         workers = max(1, max_connections // 2)
@@ -1059,6 +1063,13 @@ class _Request:
 
 _USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
 _PERMANENT_TLS = re.compile(r"WRONG_VERSION_NUMBER|CERTIFICATE_VERIFY_FAILED|certificate|hostname", re.I)
+
+
+def _custom_endpoint(url: str) -> str:
+    """``url`` unless it is AWS's own (``https://s3.REGION.amazonaws.com``): keys made for AWS objects
+    stay as they were, without the region botocore happened to pick."""
+    host = urllib.parse.urlsplit(url or "").hostname or ""
+    return "" if host.endswith((".amazonaws.com", ".amazonaws.com.cn")) else url or ""
 
 
 def _redact(text: str) -> str:

@@ -67,7 +67,12 @@ def refused(status: int) -> bool:
 
 class _SdkLogGuard(logging.Filter):
     """On an SDK logger: drop records below INFO (signed headers, strings to sign, request targets
-    with a signed query) whatever level is set later, and scrub signed queries from the rest."""
+    with a signed query) whatever level is set later, and scrub signed queries from the rest.
+
+    An exception a record carries is said in its one last line: urllib3 warned of each reply with a
+    malformed header with a whole traceback (28 lines on stderr for one ``cdmlfs cat`` that read
+    fine), in the terminal and in the mount's log.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.INFO:
@@ -80,9 +85,11 @@ class _SdkLogGuard(logging.Filter):
         if clean != message:
             record.msg, record.args = clean, ()
         if record.exc_info:  # an exception's text may quote the URL as well
-            text = "".join(traceback.format_exception(*record.exc_info)).rstrip("\n")
-            record.exc_text = hide_signature(text)
+            last = "".join(traceback.format_exception_only(*record.exc_info[:2])).strip().splitlines()
+            said = f"{record.getMessage()} ({last[-1]})"
+            record.msg, record.args = hide_signature(said), ()
             record.exc_info = None
+            record.exc_text = None
         return True
 
 
