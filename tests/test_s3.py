@@ -486,6 +486,27 @@ def test_a_pickled_archive_refuses_another_version(moto_s3, tmp_path: Path) -> N
             pickle.loads(blob)
 
 
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("ftp://127.0.0.1:9", "scheme must be http or https"),  # "was not a valid URI", exit 1
+        ("http://127.0.0.1:99999", "Port out of range"),
+        ("http://[::1", "Invalid IPv6 URL"),  # botocore's words alone, naming no URL
+        ("http://:9", "no host"),
+        ("127.0.0.1:9", "no scheme"),
+        (5, "must be a string"),  # a bare TypeError
+    ],
+)
+def test_a_bad_endpoint_url_is_a_usage_error_naming_it(url, says: str, s3_credentials) -> None:
+    with pytest.raises(UsageError, match=says) as exc:
+        Archive("s3://bucket/key.zip", endpoint_url=url)
+    assert isinstance(url, int) or f"'{url}'" in str(exc.value)
+    if isinstance(url, str):
+        res = run_cli("ls", "--endpoint-url", url, "s3://bucket/key.zip", timeout=60)
+        err = res.stderr.decode().strip()
+        assert res.returncode == 2 and says in err and len(err.splitlines()) == 1, err
+
+
 def test_an_endpoint_from_the_environment_keys_the_saved_index_as_a_given_one(
     moto_s3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

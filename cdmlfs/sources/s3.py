@@ -194,7 +194,7 @@ class S3Object:
     ) -> None:
         self.bucket, self.key = parse_s3_uri(uri)
         self.location = f"s3://{self.bucket}/{self.key}"
-        self.endpoint_url = endpoint_url
+        self.endpoint_url = _checked_endpoint(endpoint_url) if endpoint_url is not None else None
         if retry is not None and not isinstance(retry, RetryPolicy):
             raise UsageError(f"retry must be a cdmlfs.sources.retry.RetryPolicy, not {retry!r}")
         self.retry = retry or RetryPolicy()
@@ -1063,6 +1063,29 @@ class _Request:
 
 _USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
 _PERMANENT_TLS = re.compile(r"WRONG_VERSION_NUMBER|CERTIFICATE_VERIFY_FAILED|certificate|hostname", re.I)
+
+
+def _checked_endpoint(url: object) -> str:
+    """``url`` when botocore can use it as an endpoint; a usage error saying why otherwise.
+
+    botocore's own words were "Custom endpoint `ftp://...` was not a valid URI" (exit 1, as if the
+    server had failed), "Invalid IPv6 URL" (which URL?), or, for an int, a bare TypeError.
+    """
+    if not isinstance(url, str):
+        raise UsageError(f"endpoint URL must be a string like http://host:port, not {url!r}")
+    what = f"endpoint URL {_redact(url)!r}"
+    if "://" not in url:
+        raise UsageError(f"{what}: no scheme (an endpoint URL looks like http://host:port)")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError when out of range)
+    except ValueError as exc:
+        raise UsageError(f"{what}: {exc} (an endpoint URL looks like http://host:port)") from None
+    if parts.scheme.lower() not in ("http", "https"):
+        raise UsageError(f"{what}: the scheme must be http or https")
+    if not parts.hostname:
+        raise UsageError(f"{what}: no host (an endpoint URL looks like http://host:port)")
+    return url
 
 
 def _custom_endpoint(url: str) -> str:
