@@ -151,9 +151,9 @@ class Archive:
         **options,
     ) -> None:
         cache_size = _cache_bytes(cache_size)
-        # The largest decoder window (memory beside the cache) taken: a quarter of the cache by
-        # default (decoders.window_limit); pack, which holds no cache's worth, takes any zstd does.
-        window_limit = window_limit or decoders.window_limit(cache_size)
+        # The largest decoder window (memory beside the cache) taken: by default what zstd's own
+        # default takes (128 MiB); a mount passes a quarter of its cache (decoders.window_limit).
+        window_limit = window_limit or decoders.MAX_WINDOW
         unknown = set(options) - OPTIONS
         if unknown:  # a misspelt option (endpoint= for endpoint_url=) must not be dropped silently
             known = ", ".join(sorted(OPTIONS))
@@ -170,6 +170,7 @@ class Archive:
                 location = os.path.join(os.path.realpath(head or "."), name)
         self._location = location if isinstance(location, str) else None
         self._cache_size = cache_size
+        self._window_limit = window_limit  # pickled with the rest: a worker keeps the parent's
         if options.get("index_dir"):  # pickled with the options: a worker may run elsewhere
             options["index_dir"] = os.path.abspath(os.fspath(options["index_dir"]))
         self._options = options
@@ -183,17 +184,14 @@ class Archive:
             # daemon repeats it in its log, where a user looks later (the terminal may be gone).
             with _keeping_warnings() as self.open_warnings:
                 self.format = open_format(self.source, progress=progress, window_max=window_limit, **options)
+            self.index: Index = self.format.index
+            # Also refuses frames whose window the cache cannot take (an index saved earlier).
+            self.reader = ExtentReader(self.format, self.cache, window_limit)
         except ArchiveFormatError as exc:
             self.source.close()
             # Name the archive: a job that mounts several (or a container log) must say which failed.
             where = self._location or getattr(self.source, "location", None)
             raise ArchiveFormatError(f"{where}: {exc}" if where else str(exc)) from None
-        except BaseException:
-            self.source.close()
-            raise
-        self.index: Index = self.format.index
-        try:
-            self.reader = ExtentReader(self.format, self.cache, window_limit)
         except BaseException:
             self.source.close()
             raise
@@ -251,12 +249,15 @@ class Archive:
         return {
             "location": self._location,
             "cache_size": self._cache_size,
+            "window_limit": self._window_limit,
             "options": self._options,
             "identity": tuple(self.source.identity),
         }
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["location"], state["cache_size"], **state["options"])  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            state["location"], state["cache_size"], window_limit=state.get("window_limit"), **state["options"]
+        )
         seen = state.get("identity")
         if seen is not None and not self.source.identity.same_bytes(seen):
             # A worker must not read another version than the one its parent listed and indexed.

@@ -149,17 +149,22 @@ def _source_options(args: argparse.Namespace) -> dict:
     return opts
 
 
-def _open_archive(args: argparse.Namespace, cache_size: int | None = None):
+def _open_archive(args: argparse.Namespace, cache_size: int | None = None, bounded: bool = False):
+    """``bounded``: decoder windows count against the cache (decoders.window_limit), as a mount's
+    must (its bound is what --cache-size promises); ls, cat and extract take what zstd takes."""
+    from cdmlfs import decoders
     from cdmlfs.archive import DEFAULT_CACHE_SIZE, Archive
 
     if not args.source:
         raise UsageError("the archive path is empty")
     progress = _progress_bar() if sys.stderr.isatty() else None
+    cache_size = cache_size or getattr(args, "cache_size", None) or DEFAULT_CACHE_SIZE
     try:
         return Archive(
             args.source,
-            cache_size=cache_size or getattr(args, "cache_size", None) or DEFAULT_CACHE_SIZE,
+            cache_size=cache_size,
             progress=progress,
+            window_limit=decoders.window_limit(cache_size) if bounded else decoders.MAX_WINDOW,
             **_source_options(args),
         )
     finally:
@@ -246,7 +251,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     fuse_device = _dev_fuse_state()
     if fuse_device != DEV_FUSE_USABLE:  # before the archive opens (minutes for a large S3 scan)
         raise CdmlfsError(f"/dev/fuse is {fuse_device}")
-    archive = _open_archive(args)
+    archive = _open_archive(args, bounded=True)
     opts = ServeOptions(
         mountpoint=mountpoint,
         threads=args.threads,

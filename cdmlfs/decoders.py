@@ -98,13 +98,55 @@ def _lzma_zip_filters(header: bytes, size: int | None = None) -> list[dict]:
 
 
 BZIP2_WINDOW = 4 << 20  # bzip2's decoder needs about 3.7 MB at most (900k blocks)
+XZ_HEADERS = 12 + 1024  # an xz stream header and the largest block header
+_LZMA2 = 0x21
+
+
+def xz_dictionary(head: bytes) -> int | None:
+    """The dictionary size of the LZMA2 filter in the first block header of an xz stream (``xz -0``
+    256 KiB, ``-9`` 64 MiB); None when ``head`` does not say (no block, another layout).
+
+    Taken at the limit, a 40 MiB member written with ``xz -0`` counted as a 40 MiB window.
+    """
+    if len(head) < 14 or head[:6] != b"\xfd7zXZ\x00" or head[12] == 0:
+        return None
+    end = 12 + (head[12] + 1) * 4
+    flags = head[13]
+    pos = 14
+
+    def varint() -> int:
+        nonlocal pos
+        value = shift = 0
+        while pos < end and shift < 63:
+            byte = head[pos]
+            pos += 1
+            value |= (byte & 0x7F) << shift
+            if not byte & 0x80:
+                return value
+            shift += 7
+        raise ValueError("xz block header ends inside a number")
+
+    try:
+        for present in (flags & 0x40, flags & 0x80):  # compressed, then uncompressed size
+            if present:
+                varint()
+        for _ in range((flags & 3) + 1):
+            filter_id, props = varint(), varint()
+            if filter_id == _LZMA2 and props == 1 and pos < min(end, len(head)):
+                bits = head[pos] & 0x3F
+                return 0xFFFFFFFF if bits >= 40 else (2 | (bits & 1)) << (bits // 2 + 11)
+            pos += props
+    except (ValueError, IndexError):
+        return None
+    return None
 
 
 def window_size(source: Source, method: int, offset: int, comp_size: int, size: int) -> int:
     """About how much memory a decoder of this member holds outside the cache (its window).
 
     Read from the member's own header where it says (zstd frame header, LZMA
-    properties), never more than the member's size; xz is taken at its limit.
+    properties, an xz stream's first LZMA2 filter), never more than the member's size; an xz
+    stream whose first block does not say is taken at the limit.
     """
     try:
         if method == ZSTD:
@@ -114,6 +156,9 @@ def window_size(source: Source, method: int, offset: int, comp_size: int, size: 
             return min(parse_frame_header(head).window_size, size)
         if method == LZMA:
             return _lzma_zip_filters(source.read_at(offset, min(9, comp_size)), size)[0]["dict_size"]
+        if method == XZ:
+            said = xz_dictionary(source.read_at(offset, min(XZ_HEADERS, comp_size)))
+            return min(MAX_WINDOW if said is None else said, size)
     except (ValueError, CorruptMemberError, UnsupportedMethodError, SourceError):
         return 0  # opening the decoder reports it
     if method == BZIP2:

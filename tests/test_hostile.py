@@ -744,27 +744,39 @@ def test_a_zip_member_whose_window_outgrows_the_cache_fails_naming_the_cache_tha
     tmp_path: Path,
 ) -> None:
     """A zstd member written with a 128 MiB window (cut to its 24 MiB) is read forward beside a
-    16 MiB cache: its decoder held 24 MiB outside the cache. Refused (EIO on a mount), naming the
-    --cache-size that reads it; the other members read, and so does it with that cache."""
+    16 MiB cache: its decoder held 24 MiB outside the cache. With a mount's limit (a quarter of the
+    cache) it is refused (EIO on a mount), naming the --cache-size that reads it; the other members
+    read, and so does it with that cache. An xz member says its dictionary (xz -0: 256 KiB), which
+    is what counts, not its size."""
     import zstandard
+
+    from cdmlfs.decoders import window_limit
 
     data = random.Random(6).randbytes(1 << 20) * 24
     params = zstandard.ZstdCompressionParameters.from_level(1, window_log=27)
     obj = zstandard.ZstdCompressor(compression_params=params).compressobj()  # no content size
     comp = obj.compress(data) + obj.flush()
+    xz = lzma.compress(data, format=lzma.FORMAT_XZ, preset=0)
     members = [
         craft.ZipMember(b"big.bin", comp, 93, zlib.crc32(data), len(data)),
+        craft.ZipMember(b"xz.bin", xz, 95, zlib.crc32(data), len(data)),
         craft.member("ok", b"fine"),
     ]
-    blob = craft.build_zip(members)
-    with _open(blob, tmp_path, cache=16 << 20) as ar:
-        with pytest.raises(
-            MemberError, match=r"big.bin: zstd member needs a 24 MiB decoding window.*--cache-size 96M"
-        ):
+    path = tmp_path / "w.zip"
+    path.write_bytes(craft.build_zip(members))
+    with Archive(str(path), cache_size=16 << 20, window_limit=window_limit(16 << 20)) as ar:
+        says = r"big.bin: zstd member needs a 24 MiB decoding window.*--cache-size 96M"
+        with pytest.raises(MemberError, match=says):
             ar.read("big.bin", 1 << 20, 100)
         assert ar.read("ok") == b"fine"
-        assert not ar.reader._forward
-    with _open(blob, tmp_path, cache=96 << 20) as ar:
+        assert ar.read("xz.bin", 20 << 20, 100) == data[20 << 20 : (20 << 20) + 100]
+        import pickle
+
+        with pickle.loads(pickle.dumps(ar)) as clone:  # a DataLoader worker keeps the limit
+            assert clone.reader.window_limit == window_limit(16 << 20)
+    with Archive(str(path), cache_size=96 << 20, window_limit=window_limit(96 << 20)) as ar:
+        assert ar.read("big.bin", 1 << 20, 100) == data[1 << 20 : (1 << 20) + 100]
+    with Archive(str(path), cache_size=16 << 20) as ar:  # the API with no limit given: as before
         assert ar.read("big.bin", 1 << 20, 100) == data[1 << 20 : (1 << 20) + 100]
 
 

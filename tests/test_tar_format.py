@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import zstandard
 from archives import text_bytes
-from mountutil import mounted
+from mountutil import mounted, run_cli
 from test_tar_support import cdmlfs_pack, gnu_tar
 
 from cdmlfs.archive import Archive
@@ -1278,37 +1278,75 @@ def test_a_zstd_window_beyond_the_bound_is_refused_with_what_to_do(tmp_path: Pat
         assert ar.read("a.txt") == b"hello\n"
 
 
-def test_a_zstd_window_over_a_quarter_of_the_cache_is_refused_naming_the_cache_that_takes_it(
+def test_a_zstd_window_over_a_quarter_of_a_mounts_cache_is_refused_naming_the_cache_that_takes_it(
     tmp_path: Path,
 ) -> None:
-    """zstd --long=27 from a pipe declares a 128 MiB window, which a decoder holds outside the cache:
-    beside a 16 MiB cache the daemon peaked at 160 MiB. Refused, naming the --cache-size that takes
-    it (the default does), also when a saved index spares the scan."""
-    data = text_bytes(12 << 20, 5)
-    plain = tmp_path / "t.tar"
-    with tarfile.open(plain, "w") as tf:
-        _add(tf, "big.txt", data)
-    packed = tmp_path / "long.tar.zst"
-    with open(plain, "rb") as src, open(packed, "wb") as out:
-        subprocess.run(["zstd", "-q", "--long=27", "-c"], stdin=src, stdout=out, check=True)
+    """zstd --long=27 from a pipe declares a 128 MiB window, which a decoder fills beside the cache:
+    a daemon with a 16 MiB cache peaked at 160 MiB. With a mount's limit (a quarter of its cache)
+    such an archive is refused, naming the --cache-size that takes it (the default does), also
+    when a saved index spares the scan. A small frame declaring that window fills only what it
+    holds: it opens. ls, cat, extract and the API (no limit given) take it as before."""
+    from cdmlfs.decoders import window_limit
+
+    def long27(name: str, data: bytes) -> Path:
+        plain = tmp_path / f"{name}.tar"
+        with tarfile.open(plain, "w") as tf:
+            _add(tf, "big.txt", data)
+        packed = tmp_path / f"{name}.tar.zst"
+        with open(plain, "rb") as src, open(packed, "wb") as out:
+            subprocess.run(["zstd", "-q", "--long=27", "-c"], stdin=src, stdout=out, check=True)
+        return packed
+
+    data = random.Random(5).randbytes(12 << 20)  # 12 MiB compressed too: the scan sees it fills more
+    packed = long27("long", data)
     idx = str(tmp_path / "idx")
+    mounts16 = {"cache_size": "16M", "window_limit": window_limit(16 << 20), "index_dir": idx}
     with pytest.raises(ArchiveFormatError, match=r"128 MiB decoding window.*--cache-size 512M") as exc:
-        Archive(str(packed), cache_size="16M", index_dir=idx)
+        Archive(str(packed), **mounts16)
     assert "corrupt" not in str(exc.value) and "cdmlfs pack" in str(exc.value)
-    with Archive(str(packed), index_dir=idx) as ar:  # the default cache: 512M
+    assert str(packed) in str(exc.value)
+    with Archive(str(packed), index_dir=idx) as ar:  # no limit given: the API as before
         assert ar.read("big.txt", 9 << 20, 1000) == data[9 << 20 : (9 << 20) + 1000]
         assert ar.format.index_source == "scan"
     # The index saved above: no scan. The frame holds 12 MiB, which the window is cut to.
-    with pytest.raises(ArchiveFormatError, match=r"13 MiB decoding window.*--cache-size 49M"):
-        Archive(str(packed), cache_size="16M", index_dir=idx)
-    with Archive(str(packed), cache_size="49M", index_dir=idx) as ar:
+    with pytest.raises(ArchiveFormatError, match=r"13 MiB decoding window.*--cache-size 49M") as exc:
+        Archive(str(packed), **mounts16)
+    assert str(packed) in str(exc.value)  # said by the reader, outside the format's open
+    with Archive(str(packed), cache_size="49M", window_limit=window_limit(49 << 20), index_dir=idx) as ar:
         assert ar.read("big.txt", 9 << 20, 1000) == data[9 << 20 : (9 << 20) + 1000]
+    small = text_bytes(200_000, 6)
+    little = long27("little", small)
+    for _ in range(2):  # scanned, then from the saved index
+        with Archive(str(little), **mounts16) as ar:
+            assert ar.read("big.txt") == small
+    res = run_cli("cat", str(packed), "big.txt")  # its 64 MiB cache bounds no window
+    assert res.returncode == 0 and res.stdout == data, res.stderr
     # What the refusal says works, to a ZIP too (read as an archive with pack's 256 MiB cache).
     from cdmlfs.pack import pack
 
     pack(str(packed), str(tmp_path / "o.zip"), index_dir=idx)
     with zipfile.ZipFile(tmp_path / "o.zip") as zf:
         assert zf.read("big.txt") == data
+
+
+def test_a_packed_archive_whose_frames_outgrow_a_mounts_cache_is_told_to_pack_smaller_frames(
+    tmp_path: Path,
+) -> None:
+    """Frames of pack --level 20 or more have a window as large as the frame: refused beside a small
+    cache, the advice was to convert the archive with cdmlfs pack, which wrote it."""
+    from cdmlfs.decoders import window_limit
+    from cdmlfs.pack import pack
+
+    (tmp_path / "d").mkdir()
+    data = random.Random(7).randbytes(12 << 20)
+    (tmp_path / "d" / "r.bin").write_bytes(data)
+    packed = tmp_path / "p.tar.zst"
+    pack(str(tmp_path / "d"), str(packed), level=20, frame_size=12 << 20)
+    with pytest.raises(ArchiveFormatError, match=r"12 MiB decoding window.*--cache-size 48M") as exc:
+        Archive(str(packed), cache_size="16M", window_limit=window_limit(16 << 20))
+    assert "--frame-size" in str(exc.value) and "convert it" not in str(exc.value), exc.value
+    with Archive(str(packed), cache_size="48M", window_limit=window_limit(48 << 20)) as ar:
+        assert ar.read("r.bin", 5 << 20, 100) == data[5 << 20 : (5 << 20) + 100]
 
 
 def test_progress_is_reported_for_the_scan(tmp_path: Path, many_files: Path) -> None:

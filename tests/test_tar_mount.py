@@ -158,7 +158,7 @@ def test_mount_refuses_a_zstd_window_the_cache_cannot_bound(tmp_path: Path, mnt:
     """A tar.zst written with zstd --long=27 needs a 128 MiB decoder window beside the cache: with
     --cache-size 16M the daemon peaked at 160 MiB. The mount is refused in one line naming the
     cache that takes it, and leaves no mount; with that cache it mounts and reads."""
-    data = os.urandom(1 << 20) * 6
+    data = os.urandom(12 << 20)  # fills 12 MiB of its window (a quarter of 16M is 4)
     src = tmp_path / "src"
     src.mkdir()
     (src / "big.bin").write_bytes(data)

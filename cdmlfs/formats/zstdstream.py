@@ -77,8 +77,11 @@ SCRATCH_MAX = 8 << 20  # frames compressed to more than this are read into fresh
 MAX_WINDOW = 1 << zstdframes.MAX_WINDOW_LOG  # larger windows need --long archives
 
 
-# What to do with an archive written with zstd --long (check_window, _zstd_error).
+# What to do with an archive written with zstd --long (refuse_large_window, _zstd_error).
 _LONG_WINDOW_HINT = "convert it once with 'cdmlfs pack ARCHIVE OUT.tar.zst' (it reads such windows)"
+# The same, for an archive pack wrote (its member index is embedded): frames of --frame-size at a
+# level of 20 or more have a window as large as the frame.
+_PACKED_WINDOW_HINT = "pack it again with a smaller --frame-size or a --level below 20"
 
 
 _DICTIONARY = "was compressed with a dictionary (zstd -D), which cdmlfs does not take"
@@ -89,7 +92,7 @@ def _zstd_error(exc: Exception, what: str) -> CorruptMemberError | MemoryError:
         return MemoryError(f"{what}: {exc}")
     if "Dictionary mismatch" in str(exc):  # not damage: a frame compressed with a dictionary (zstd -D)
         return CorruptMemberError(f"{what} {_DICTIONARY}")
-    if "too much memory" in str(exc):  # a frame written with zstd --long: not damage (see check_window)
+    if "too much memory" in str(exc):  # zstd --long wrote it: not damage (see refuse_large_window)
         return CorruptMemberError(
             f"{what} needs a decoding window over {MAX_WINDOW >> 20} MiB (written with zstd --long): "
             + _LONG_WINDOW_HINT
@@ -179,22 +182,11 @@ class FrameTable:
 EMPTY_FRAME_MAX = 64  # bytes: header (at most 18) + an empty last block (3) + checksum (4), with room
 
 
-def check_window(source: Source, i: int, offset: int, comp_size: int, limit: int = MAX_WINDOW) -> None:
-    """Refuse a frame whose decoder window is beyond ``limit``, saying why and what to do.
-
-    ``zstd --long=N`` writes such frames; decoding one needs 2**N bytes outside the cache.
-    zstd's own error ("frame requires too much memory") read as a corrupt archive.
-    """
-    try:
-        window = parse_frame_header(source.read_at(offset, min(18, comp_size))).window_size
-    except ValueError:
-        return  # not a valid header: the decode says so
-    refuse_large_window(i, window, limit)
-
-
-def refuse_large_window(i: int, window: int, limit: int = MAX_WINDOW) -> None:
-    """Over MAX_WINDOW: only pack reads it; over ``limit`` (decoders.window_limit of the cache):
-    a larger cache reads it too."""
+def refuse_large_window(i: int, window: int, limit: int = MAX_WINDOW, hint: str = _LONG_WINDOW_HINT) -> None:
+    """Refuse frame ``i`` whose decoder window is beyond MAX_WINDOW (only pack reads it) or beyond
+    ``limit`` (a mount's: decoders.window_limit of its cache; a larger cache reads it), saying why
+    and what to do. ``zstd --long=N`` writes such frames; zstd's own error ("frame requires too
+    much memory") read as a corrupt archive."""
     if window > MAX_WINDOW:
         raise ArchiveFormatError(
             f"zstd frame #{i} needs a {window >> 20} MiB decoding window (written with zstd --long); "
@@ -202,9 +194,7 @@ def refuse_large_window(i: int, window: int, limit: int = MAX_WINDOW) -> None:
             + _LONG_WINDOW_HINT
         )
     if window > limit:
-        raise ArchiveFormatError(
-            f"zstd frame #{i} {decoders.window_refusal(window, limit)}, or {_LONG_WINDOW_HINT}"
-        )
+        raise ArchiveFormatError(f"zstd frame #{i} {decoders.window_refusal(window, limit)}, or {hint}")
 
 
 def check_empty_frames(source: Source, frames: list[Frame], first: int = 0) -> None:
@@ -343,16 +333,15 @@ class ZstdStream:
         self.whole_max = max(whole_max, piece)
         self.piece = piece
         self._cache = cache
-        if window_max is None and cache is not None:
-            window_max = decoders.window_limit(cache.limit)
         if window_max is not None:
             self.window_max = window_max
             # Refused at mount rather than on each read: frames read piece by piece hold a decoder
-            # window, and those of one archive share their writer's settings (the scan checked
-            # them too, but an index saved by a mount with a larger cache skips it).
+            # window, and those of one archive share their writer's settings (a saved index spares
+            # the scan, which checks them too). Frames decoded whole hold none.
             first = next((i for i, s in enumerate(self.frames.dec_size) if s > self.whole_max), None)
             if first is not None:
-                refuse_large_window(first, self._window(first), self.window_max)
+                hint = _PACKED_WINDOW_HINT if self.packed else _LONG_WINDOW_HINT
+                refuse_large_window(first, self._window(first), self.window_max, hint)
         whole = [s for s in self.frames.dec_size if s <= self.whole_max]
         largest = max(whole, default=0)
         if (
@@ -1150,17 +1139,36 @@ class ZstdScanView:
                     self.unchecked.append(frame)
                 continue
             if self._walker is None:
-                check_window(self.source, self._fi, frame.offset, frame.comp_size, self.window_max)
+                window = self._window_of(frame)
+                refuse_large_window(self._fi, window)
+                self._check_fill(window, size, frame.comp_size)
                 raw = _ListedFrameRange(self.source, self._fi, frame, size, self._report)
             else:
-                assert self._walker.header is not None
-                refuse_large_window(self._fi, self._walker.header.window_size, self.window_max)
+                header = self._walker.header
+                assert header is not None
+                refuse_large_window(self._fi, header.window_size)
+                self._check_fill(header.window_size, header.content_size, self.source.size - frame.offset)
                 raw = self._walker.frame_bytes()
             self._reader = self._dctx.stream_reader(raw, read_size=SCAN_CHUNK, read_across_frames=False)
             self._pos = self._frame_start
             self.decoded_frames += 1
             return True
         return False
+
+    def _window_of(self, frame: Frame) -> int:
+        try:
+            return parse_frame_header(self.source.read_at(frame.offset, min(18, frame.comp_size))).window_size
+        except ValueError:
+            return 0  # the decode reports the bad header
+
+    def _check_fill(self, window: int, content: int | None, compressed: int) -> None:
+        """Refuse a frame whose decoder would fill more window than ``window_max`` (a mount's, a
+        quarter of its cache). The decoder touches its window as it writes it: no more than the frame
+        holds, which is its stated size or, unstated, about its compressed bytes at least (a 200 KB
+        frame declaring a 128 MiB window, as `zstd --long` writes from a pipe, fills 200 KB)."""
+        if min(window, content if content is not None else compressed) > self.window_max:
+            said = min(window, content) if content is not None else window
+            refuse_large_window(self._fi, said, self.window_max)
 
     def _discover(self) -> bool:
         """Walking: the next frame of the file appended to the table (False at the end of the file)."""

@@ -255,7 +255,9 @@ class S3Object:
         # The endpoint the SDK resolved: one set by AWS_ENDPOINT_URL or a profile's endpoint_url (as
         # MinIO users do) was left out, and another server's saved index was taken (wrong bytes).
         endpoint = endpoint_url or _custom_endpoint(getattr(self._s3().meta, "endpoint_url", ""))
-        self._endpoint_key = f"endpoint={_redact(endpoint)}" if endpoint else ""
+        self._endpoint_key = (
+            f"endpoint={_redact(endpoint.rstrip('/'))}" if endpoint else ""
+        )  # http://h/ = http://h
         self.identity = SourceIdentity(self.location, self.size, version, self._endpoint_key)
         self._cache = cache if cache is not None else ExtentCache(PRIVATE_CACHE)
         workers = max(1, max_connections // 2)
