@@ -62,6 +62,11 @@ def window_limit(cache_limit: int) -> int:
 
 def window_refusal(window: int, limit: int) -> str:
     """Why a decoder of ``window`` bytes is refused under ``limit`` (window_limit), and what to do."""
+    if window > MAX_WINDOW:  # no cache takes it
+        return (
+            f"needs a {-(-window // (1 << 20))} MiB decoding window, more than the {MAX_WINDOW >> 20} MiB "
+            "cdmlfs decodes to keep its memory bound"
+        )
     need = -(-4 * window // (1 << 20))  # MiB, rounded up: the cache whose quarter takes it
     return (
         f"needs a {-(-window // (1 << 20))} MiB decoding window, more than the {limit >> 20} MiB "

@@ -28,6 +28,11 @@ class ArchiveFormatError(CdmlfsError):
     """The archive as a whole cannot be read (not a ZIP, truncated, corrupt directory): mount refused."""
 
 
+class WindowLimitError(ArchiveFormatError):
+    """The archive needs a decoder window beyond this opener's limit (a mount's, from its cache):
+    an opener with a larger cache reads it, so it is never noted as the archive's failure."""
+
+
 class MemberError(CdmlfsError):
     """A problem confined to one member; other members stay readable.
 

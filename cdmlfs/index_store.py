@@ -36,7 +36,7 @@ from typing import ClassVar
 import zstandard
 
 from cdmlfs import forksafe, xdg
-from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, MemberError, UsageError
+from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, MemberError, UsageError, WindowLimitError
 from cdmlfs.safe_write import private_temp_dir
 from cdmlfs.sources.base import SourceIdentity
 
@@ -187,7 +187,7 @@ class IndexStore:
         try:
             yield turn
         except (ArchiveFormatError, MemberError) as exc:
-            if lock is not None:
+            if lock is not None and not isinstance(exc, WindowLimitError):  # the archive is fine
                 turn.note_failure(exc)
             raise
         else:

@@ -1319,6 +1319,28 @@ def test_a_zstd_window_over_a_quarter_of_a_mounts_cache_is_refused_naming_the_ca
     for _ in range(2):  # scanned, then from the saved index
         with Archive(str(little), **mounts16) as ar:
             assert ar.read("big.txt") == small
+    # A few KB that decode to 40 MiB: refused by the scan as soon as it has filled more than the
+    # limit (it filled 40 MiB, then the reader refused the frame).
+    with pytest.raises(ArchiveFormatError, match=r"128 MiB decoding window.*--cache-size 512M"):
+        Archive(str(long27("zeros", bytes(40 << 20))), **mounts16)
+    # Frames of 3 MiB each from `zstd --long=27` one after another, no seek table: each fills 3 MiB
+    # (the rest of the file was taken for the first frame's size, and the archive refused).
+    parts = [random.Random(i).randbytes(3 << 20) for i in range(3)]
+    plain = tmp_path / "multi.tar"
+    with tarfile.open(plain, "w") as tf:
+        for i, part in enumerate(parts):
+            _add(tf, f"p{i}.bin", part)
+    blob = plain.read_bytes()
+    cuts = [0, 3 << 20, 6 << 20, len(blob)]
+    multi = tmp_path / "multi.tar.zst"
+    zstd = ["zstd", "-q", "--long=27", "-c"]
+    frames = [
+        subprocess.run(zstd, input=blob[a:b], capture_output=True, check=True).stdout
+        for a, b in itertools.pairwise(cuts)
+    ]
+    multi.write_bytes(b"".join(frames))
+    with Archive(str(multi), **mounts16) as ar:
+        assert [ar.read(f"p{i}.bin") for i in range(3)] == parts
     res = run_cli("cat", str(packed), "big.txt")  # its 64 MiB cache bounds no window
     assert res.returncode == 0 and res.stdout == data, res.stderr
     # What the refusal says works, to a ZIP too (read as an archive with pack's 256 MiB cache).

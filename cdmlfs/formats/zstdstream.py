@@ -57,7 +57,7 @@ import zstandard
 
 from cdmlfs import decoders
 from cdmlfs.cache import ExtentCache, Reservation
-from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, MemberError, SourceError
+from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, MemberError, SourceError, WindowLimitError
 from cdmlfs.formats import zstdframes
 from cdmlfs.sizes import human_bytes
 from cdmlfs.sources.base import Source, SourceRange
@@ -194,7 +194,7 @@ def refuse_large_window(i: int, window: int, limit: int = MAX_WINDOW, hint: str 
             + _LONG_WINDOW_HINT
         )
     if window > limit:
-        raise ArchiveFormatError(f"zstd frame #{i} {decoders.window_refusal(window, limit)}, or {hint}")
+        raise WindowLimitError(f"zstd frame #{i} {decoders.window_refusal(window, limit)}, or {hint}")
 
 
 def check_empty_frames(source: Source, frames: list[Frame], first: int = 0) -> None:
@@ -1037,6 +1037,7 @@ class ZstdScanView:
     ) -> None:
         self.source = source
         self.window_max = window_max  # larger frame windows are refused (refuse_large_window)
+        self._fill_window = 0  # the window of the frame being decoded when over window_max (_check_fill)
         self.frames = list(frames) if frames is not None else []
         self.sizes: list[int | None] = [None if f.skippable else f.content_size for f in self.frames]
         self._fi = -1  # index of the frame being decoded (or last one passed)
@@ -1104,6 +1105,7 @@ class ZstdScanView:
                     got = reader.readinto(memoryview(self._scratch)[:want])
                     if got > 0:
                         self._pos += got
+                        self._check_filled()
                         continue
                 else:
                     data = reader.read(SCAN_CHUNK)
@@ -1111,6 +1113,7 @@ class ZstdScanView:
                         self._buf = data
                         self._buf_pos = self._pos
                         self._pos += len(data)
+                        self._check_filled()
                         return True
             except zstandard.ZstdError as exc:
                 frame = self.frames[self._fi]
@@ -1141,13 +1144,13 @@ class ZstdScanView:
             if self._walker is None:
                 window = self._window_of(frame)
                 refuse_large_window(self._fi, window)
-                self._check_fill(window, size, frame.comp_size)
+                self._check_fill(window, size)
                 raw = _ListedFrameRange(self.source, self._fi, frame, size, self._report)
             else:
                 header = self._walker.header
                 assert header is not None
                 refuse_large_window(self._fi, header.window_size)
-                self._check_fill(header.window_size, header.content_size, self.source.size - frame.offset)
+                self._check_fill(header.window_size, header.content_size)
                 raw = self._walker.frame_bytes()
             self._reader = self._dctx.stream_reader(raw, read_size=SCAN_CHUNK, read_across_frames=False)
             self._pos = self._frame_start
@@ -1161,14 +1164,20 @@ class ZstdScanView:
         except ValueError:
             return 0  # the decode reports the bad header
 
-    def _check_fill(self, window: int, content: int | None, compressed: int) -> None:
+    def _check_fill(self, window: int, content: int | None) -> None:
         """Refuse a frame whose decoder would fill more window than ``window_max`` (a mount's, a
         quarter of its cache). The decoder touches its window as it writes it: no more than the frame
-        holds, which is its stated size or, unstated, about its compressed bytes at least (a 200 KB
-        frame declaring a 128 MiB window, as `zstd --long` writes from a pipe, fills 200 KB)."""
-        if min(window, content if content is not None else compressed) > self.window_max:
-            said = min(window, content) if content is not None else window
-            refuse_large_window(self._fi, said, self.window_max)
+        holds (a 200 KB frame declaring a 128 MiB window, as `zstd --long` writes from a pipe, fills
+        200 KB). A frame that states its size is judged now; one that does not, as it decodes
+        (``_check_filled``)."""
+        self._fill_window = window if window > self.window_max else 0
+        if content is not None and min(window, content) > self.window_max:
+            refuse_large_window(self._fi, min(window, content), self.window_max)
+
+    def _check_filled(self) -> None:
+        """The frame being decoded, of a window over the limit, has now filled more than the limit."""
+        if self._fill_window and self._pos - self._frame_start > self.window_max:
+            refuse_large_window(self._fi, self._fill_window, self.window_max)
 
     def _discover(self) -> bool:
         """Walking: the next frame of the file appended to the table (False at the end of the file)."""
