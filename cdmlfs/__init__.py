@@ -65,7 +65,7 @@ def open(location: str, **kwargs):
     ``cache_size`` (bytes, or a string like ``"2G"``; default 512M) bounds the decoded data held.
     ``index_dir``: where tar indexes are kept (default under the user's cache directory).
     ``window_limit``: the largest decoder window (memory beside the cache) taken, in bytes (default
-    128 MiB; a mount takes a quarter of its cache, ``cdmlfs.decoders.window_limit``).
+    and most 128 MiB; a mount takes a quarter of its cache, ``cdmlfs.decoders.window_limit``).
     For ``s3://bucket/key`` URIs, the options of ``cdmlfs mount``: ``endpoint_url``, ``region``,
     ``profile``, ``no_sign_request``, ``addressing_style`` (``"path"``/``"virtual"``),
     ``max_connections``, ``part_size``, ``connect_timeout``, ``read_timeout`` and ``retry``

@@ -151,9 +151,10 @@ class Archive:
         **options,
     ) -> None:
         cache_size = _cache_bytes(cache_size)
-        # The largest decoder window (memory beside the cache) taken: by default what zstd's own
-        # default takes (128 MiB); a mount passes a quarter of its cache (decoders.window_limit).
-        window_limit = window_limit or decoders.MAX_WINDOW
+        # The largest decoder window (memory beside the cache) taken: by default, and at most, what
+        # zstd's own default takes (128 MiB; more failed the read as a corrupt frame); a mount passes
+        # a quarter of its cache (decoders.window_limit).
+        window_limit = min(window_limit or decoders.MAX_WINDOW, decoders.MAX_WINDOW)
         unknown = set(options) - OPTIONS
         if unknown:  # a misspelt option (endpoint= for endpoint_url=) must not be dropped silently
             known = ", ".join(sorted(OPTIONS))

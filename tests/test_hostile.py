@@ -778,6 +778,8 @@ def test_a_zip_member_whose_window_outgrows_the_cache_fails_naming_the_cache_tha
         assert ar.read("big.bin", 1 << 20, 100) == data[1 << 20 : (1 << 20) + 100]
     with Archive(str(path), cache_size=16 << 20) as ar:  # the API with no limit given: as before
         assert ar.read("big.bin", 1 << 20, 100) == data[1 << 20 : (1 << 20) + 100]
+    with Archive(str(path), window_limit=1 << 30) as ar:  # more than zstd decodes: its 128 MiB
+        assert ar.reader.window_limit == 128 << 20
     from cdmlfs.decoders import window_refusal
 
     # Beyond 128 MiB no cache takes it: the advice was "--cache-size 800M", which was refused too.
