@@ -33,6 +33,7 @@ from cdmlfs.errors import (
     UnsafeDestinationError,
     UnsupportedMethodError,
     UsageError,
+    WindowLimitError,
 )
 
 # Every error the API raises is a CdmlfsError; its ``errno`` says what a read through a mount gets.
@@ -54,6 +55,7 @@ __all__ = [
     "UnsafeDestinationError",
     "UnsupportedMethodError",
     "UsageError",
+    "WindowLimitError",
     "__version__",
     "open",
 ]

@@ -32,6 +32,7 @@ from cdmlfs.errors import (
     PathNotADirectoryError,
     SourceChangedError,
     UnsafeDestinationError,
+    WindowLimitError,
 )
 from cdmlfs.formats import open_format
 from cdmlfs.index import DIR, FILE, SPARSE, SYMLINK, EntryStat, Index
@@ -192,7 +193,8 @@ class Archive:
             self.source.close()
             # Name the archive: a job that mounts several (or a container log) must say which failed.
             where = self._location or getattr(self.source, "location", None)
-            raise ArchiveFormatError(f"{where}: {exc}" if where else str(exc)) from None
+            kind = WindowLimitError if isinstance(exc, WindowLimitError) else ArchiveFormatError
+            raise kind(f"{where}: {exc}" if where else str(exc)) from None
         except BaseException:
             self.source.close()
             raise

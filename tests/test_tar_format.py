@@ -25,7 +25,7 @@ from mountutil import mounted, run_cli
 from test_tar_support import cdmlfs_pack, gnu_tar
 
 from cdmlfs.archive import Archive
-from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, SourceError, UsageError
+from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, SourceError, UsageError, WindowLimitError
 from cdmlfs.formats import SNIFF_BYTES, TAIL_BYTES
 from cdmlfs.formats.tar import scan_tar
 from cdmlfs.formats.tarheader import build_block, build_header, parse_header, parse_pax, pax_record
@@ -1304,7 +1304,7 @@ def test_a_zstd_window_over_a_quarter_of_a_mounts_cache_is_refused_naming_the_ca
     with pytest.raises(ArchiveFormatError, match=r"128 MiB decoding window.*--cache-size 512M") as exc:
         Archive(str(packed), **mounts16)
     assert "corrupt" not in str(exc.value) and "cdmlfs pack" in str(exc.value)
-    assert str(packed) in str(exc.value)
+    assert str(packed) in str(exc.value) and isinstance(exc.value, WindowLimitError)
     with Archive(str(packed), index_dir=idx) as ar:  # no limit given: the API as before
         assert ar.read("big.txt", 9 << 20, 1000) == data[9 << 20 : (9 << 20) + 1000]
         assert ar.format.index_source == "scan"
