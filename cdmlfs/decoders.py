@@ -15,7 +15,7 @@ import lzma
 import struct
 import zlib
 
-from cdmlfs.errors import CorruptMemberError, SourceError, UnsupportedMethodError
+from cdmlfs.errors import CorruptMemberError, MemberError, SourceError, UnsupportedMethodError
 from cdmlfs.index import BZIP2, DEFLATE, LZMA, STORED, XZ, ZSTD
 from cdmlfs.sources.base import Source, SourceRange
 
@@ -171,20 +171,30 @@ def window_size(source: Source, method: int, offset: int, comp_size: int, size: 
     return min(MAX_WINDOW, size)
 
 
-def open_stream(source: Source, method: int, offset: int, comp_size: int, size: int | None = None):
+def open_stream(
+    source: Source,
+    method: int,
+    offset: int,
+    comp_size: int,
+    size: int | None = None,
+    window_max: int = MAX_WINDOW,
+):
     """A file-like object with bounded ``read(n)`` over member ``method`` data at ``offset``.
 
     ``size`` (the declared uncompressed size) bounds the LZMA dictionary. Decoder
     set-up failures (bad properties, a window over the limit) are member errors; running out of
     memory is not (it passes: a corrupt verdict would stick to the member for the whole mount).
+    ``window_max`` caps the zstd window and the xz memory of every frame or stream in the member:
+    ``window_size`` reads only the first, and a later one (``cat a.zst b.zst``) declaring a 64 MiB
+    window was decoded beside a 16 MiB cache. A frame over it fails its read (not corrupt).
     """
     try:
-        return _open_stream(source, method, offset, comp_size, size)
+        return _open_stream(source, method, offset, comp_size, size, window_max)
     except (lzma.LZMAError, ValueError, OSError, EOFError) as exc:
         raise CorruptMemberError(f"cannot start decoding ({exc or type(exc).__name__})") from None
 
 
-def _open_stream(source: Source, method: int, offset: int, comp_size: int, size: int | None):
+def _open_stream(source: Source, method: int, offset: int, comp_size: int, size: int | None, window_max: int):
     if method == BZIP2:
         return bz2.BZ2File(SourceRange(source, offset, comp_size))
     if method == LZMA:
@@ -201,16 +211,22 @@ def _open_stream(source: Source, method: int, offset: int, comp_size: int, size:
             lzma.LZMADecompressor,
             trailing_error=lzma.LZMAError,
             format=lzma.FORMAT_XZ,
-            memlimit=MAX_WINDOW + (16 << 20),
+            memlimit=window_max + (16 << 20),
         )
         return io.BufferedReader(raw)
     if method == ZSTD:
         import zstandard
 
-        return zstandard.ZstdDecompressor().stream_reader(
+        return zstandard.ZstdDecompressor(max_window_size=window_max).stream_reader(
             SourceRange(source, offset, comp_size), read_across_frames=True, closefd=False
         )
     raise UnsupportedMethodError(f"compression method {method_name(method)} is not supported")
+
+
+WINDOW_OVER_LIMIT = (
+    "a later zstd frame or xz stream of this member needs a larger decoding window than this cache "
+    "allows a decoder (a quarter of it, 8 MiB at least): mount with a larger --cache-size"
+)
 
 
 def read_exact(stream, n: int) -> bytes:
@@ -229,11 +245,15 @@ def read_exact(stream, n: int) -> bytes:
     except CorruptMemberError:
         raise
     except (OSError, EOFError, ValueError, lzma.LZMAError, zlib.error) as exc:
+        if isinstance(exc, lzma.LZMAError) and "Memory usage limit" in str(exc):
+            raise MemberError(WINDOW_OVER_LIMIT) from exc  # not damage: no lasting verdict
         raise CorruptMemberError(f"corrupt compressed data ({exc})") from exc
     except Exception as exc:  # zstandard.ZstdError and friends
         if type(exc).__module__.startswith("zstandard"):
             if "Allocation error" in str(exc):  # memory pressure, not damage: never a lasting verdict
                 raise MemoryError(str(exc)) from exc
+            if "too much memory" in str(exc):  # a frame's window over window_max (open_stream)
+                raise MemberError(WINDOW_OVER_LIMIT) from exc
             raise CorruptMemberError(f"corrupt compressed data ({exc})") from exc
         raise
     return parts[0] if len(parts) == 1 else b"".join(parts)

@@ -608,7 +608,9 @@ class ExtentReader:
                     why = decoders.window_refusal(fw.window, self.window_limit)
                     raise MemberError(f"{decoders.method_name(ix.method[eid])} member {why}")
                 self._make_room_for_window(eid, fw.window)
-                fw.stream = decoders.open_stream(self.source, ix.method[eid], at, comp, total)
+                # A member larger than the limit: every frame's window is held to it (open_stream).
+                cap = self.window_limit if total > self.window_limit else decoders.MAX_WINDOW
+                fw.stream = decoders.open_stream(self.source, ix.method[eid], at, comp, total, cap)
                 fw.pos = 0
                 fw.crc = 0
             try:

@@ -27,7 +27,7 @@ from fuzz.harness import MemorySource, time_limit
 
 from cdmlfs import inflate
 from cdmlfs.archive import Archive
-from cdmlfs.errors import ArchiveFormatError, MemberError
+from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, MemberError
 from cdmlfs.formats import tarheader as th
 from cdmlfs.zstd_seekable import seek_table_frame
 
@@ -784,6 +784,35 @@ def test_a_zip_member_whose_window_outgrows_the_cache_fails_naming_the_cache_tha
 
     # Beyond 128 MiB no cache takes it: the advice was "--cache-size 800M", which was refused too.
     assert "--cache-size" not in window_refusal(200 << 20, 128 << 20)
+
+
+def test_a_later_frame_of_a_zip_member_is_held_to_the_window_limit_too(tmp_path: Path) -> None:
+    """Only a member's first zstd frame was checked against a mount's window limit: a tiny first
+    frame, then one written with a 128 MiB window, was decoded beside a 16 MiB cache (79 MiB daemon
+    peak against 42). The decoder now holds every frame to the limit: EIO (not a corrupt verdict),
+    while the API's default limit reads it."""
+    import zstandard
+
+    from cdmlfs.decoders import window_limit
+
+    head = b"first frame"
+    rest = random.Random(8).randbytes(24 << 20)
+    first = zstandard.ZstdCompressor(level=1).compress(head)
+    params = zstandard.ZstdCompressionParameters.from_level(1, window_log=27)
+    obj = zstandard.ZstdCompressor(compression_params=params).compressobj()  # no content size
+    second = obj.compress(rest) + obj.flush()
+    data = head + rest
+    member = craft.ZipMember(b"m.bin", first + second, 93, zlib.crc32(data), len(data))
+    path = tmp_path / "frames.zip"
+    path.write_bytes(craft.build_zip([member, craft.member("ok", b"fine")]))
+    with Archive(str(path), cache_size=16 << 20, window_limit=window_limit(16 << 20)) as ar:
+        for _ in range(2):  # no lasting verdict: the same reason again, not "failed ... earlier"
+            with pytest.raises(MemberError, match="larger decoding window") as exc:
+                ar.read("m.bin", 1 << 20, 100)
+            assert not isinstance(exc.value, CorruptMemberError)
+        assert ar.read("ok") == b"fine"
+    with Archive(str(path), cache_size=16 << 20) as ar:
+        assert ar.read("m.bin", 1 << 20, 100) == data[1 << 20 : (1 << 20) + 100]
 
 
 def test_whole_stream_decodes_reserve_their_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
