@@ -155,10 +155,9 @@ def window_size(source: Source, method: int, offset: int, comp_size: int, size: 
     """
     try:
         if method == ZSTD:
-            from cdmlfs.zstd_seekable import parse_frame_header
+            from cdmlfs.zstd_seekable import declared_window
 
-            head = source.read_at(offset, min(18, comp_size))
-            return min(parse_frame_header(head).window_size, size)
+            return min(declared_window(source, offset, comp_size), size)
         if method == LZMA:
             return _lzma_zip_filters(source.read_at(offset, min(9, comp_size)), size)[0]["dict_size"]
         if method == XZ:

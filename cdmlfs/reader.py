@@ -135,8 +135,9 @@ class ExtentReader:
         self.cache = cache
         self._fd = fmt.source.fileno()
         self.whole_limit = min(WHOLE_MEMBER_MAX, cache.limit // 4)
-        # The largest window of a forward decoder (memory outside the cache): decoders.window_limit.
-        self.window_limit = window_limit or decoders.window_limit(cache.limit)
+        # The largest window of a forward decoder (memory outside the cache): as Archive's, 128 MiB
+        # unless given (a mount gives decoders.window_limit of its cache).
+        self.window_limit = window_limit or decoders.MAX_WINDOW
         self.extent_size = max(64 << 10, min(EXTENT_SIZE, cache.limit // 4))
         # Per member: UNCHECKED, VERIFIED (its CRC checked) or CORRUPT (a check failed: every later read
         # fails too, whatever path or offset it takes, so no page of it is ever served unverified again).

@@ -107,6 +107,15 @@ def parse_frame_header(buf: bytes | memoryview, where: int = 0) -> FrameHeader:
     return FrameHeader(header_size, content_size, has_checksum, window_size)
 
 
+def declared_window(source: Source, offset: int, comp_size: int) -> int:
+    """The window the zstd frame at ``offset`` declares, read from its header (18 bytes at most);
+    0 when it is no valid header (a skippable frame, damage: the decode says so)."""
+    try:
+        return parse_frame_header(source.read_at(offset, min(18, comp_size))).window_size
+    except ValueError:
+        return 0
+
+
 # A cut tar.zst has no usable frame index; the plain tar that zstd decodes from it does: cdmlfs
 # lists the members before the cut there (with a warning) and gives EIO for the one cut.
 TRUNCATED_HINT = (

@@ -61,7 +61,7 @@ from cdmlfs.errors import ArchiveFormatError, CorruptMemberError, MemberError, S
 from cdmlfs.formats import zstdframes
 from cdmlfs.sizes import human_bytes
 from cdmlfs.sources.base import Source, SourceRange
-from cdmlfs.zstd_seekable import Frame, FrameWalker, is_skippable_magic, parse_frame_header
+from cdmlfs.zstd_seekable import Frame, FrameWalker, declared_window, is_skippable_magic, parse_frame_header
 
 log = logging.getLogger(__name__)
 
@@ -818,11 +818,7 @@ class ZstdStream:
     def _window(self, i: int) -> int:
         """The decoder window frame ``i`` needs (its header's window size, at most its content)."""
         fr = self.frames
-        try:
-            head = self.source.read_at(fr.comp_offset[i], min(18, fr.comp_size[i]))
-            return min(parse_frame_header(head).window_size, fr.dec_size[i])
-        except ValueError:
-            return 0  # the decode reports the bad header
+        return min(declared_window(self.source, fr.comp_offset[i], fr.comp_size[i]), fr.dec_size[i])
 
     def _decode_piece(
         self, i: int, k: int, piece: int, prefetching: bool = False, room: Reservation | None = None
@@ -1142,7 +1138,7 @@ class ZstdScanView:
                     self.unchecked.append(frame)
                 continue
             if self._walker is None:
-                window = self._window_of(frame)
+                window = declared_window(self.source, frame.offset, frame.comp_size)
                 refuse_large_window(self._fi, window)
                 self._check_fill(window, size)
                 raw = _ListedFrameRange(self.source, self._fi, frame, size, self._report)
@@ -1157,12 +1153,6 @@ class ZstdScanView:
             self.decoded_frames += 1
             return True
         return False
-
-    def _window_of(self, frame: Frame) -> int:
-        try:
-            return parse_frame_header(self.source.read_at(frame.offset, min(18, frame.comp_size))).window_size
-        except ValueError:
-            return 0  # the decode reports the bad header
 
     def _check_fill(self, window: int, content: int | None) -> None:
         """Refuse a frame whose decoder would fill more window than ``window_max`` (a mount's, a
