@@ -42,8 +42,10 @@ def method_name(method: int) -> str:
 
 
 # Largest decoder window (LZMA dictionary) we allocate: a member's header chooses it, and the
-# decoder touches up to that much memory outside the cache. Same limit as zstd's default (2**27).
-MAX_WINDOW = 1 << 27
+# decoder touches up to that much memory outside the cache. Same limit as the zstd CLI's default.
+# The one definition: the zstd readers (zstdframes, zstdstream) take theirs from here.
+MAX_WINDOW_LOG = 27
+MAX_WINDOW = 1 << MAX_WINDOW_LOG
 # Taken whatever the cache: what zstd -19 and the frames of cdmlfs pack need (see window_limit).
 WINDOW_FLOOR = 8 << 20
 

@@ -72,6 +72,7 @@ from typing import NamedTuple
 import zstandard
 
 from cdmlfs.cache import ExtentCache, Reservation
+from cdmlfs.decoders import MAX_WINDOW_LOG
 from cdmlfs.errors import CorruptMemberError, MemberError, SourceError
 from cdmlfs.sources.base import Source, SourceRange
 
@@ -95,7 +96,6 @@ FINISH_ENV = os.environ.get("CDMLFS_FINISH_FRAMES", "auto")
 MAX_SPARES = 8  # pre-faulted buffers kept ready
 INPUT_CHUNK = 64 << 10  # least compressed bytes per source read without a file descriptor (S3)
 MAX_INPUT_READ = 2 << 20  # most per read: it is held outside the cache while it is decoded
-MAX_WINDOW_LOG = 27  # same default limit as the zstd CLI (zstdstream uses it too)
 CLOSE_WAIT = 5.0  # seconds close() waits for a step in progress (a local step takes about a millisecond)
 ENABLED = os.environ.get("CDMLFS_FRAME_WORKER", "1") != "0"  # 0: whole decodes only (for A/B runs)
 NATIVE = NativeFrameDecoder is not None and os.environ.get("CDMLFS_NATIVE", "1") != "0"

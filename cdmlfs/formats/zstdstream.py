@@ -74,7 +74,7 @@ PACK_FRAME_MAX = 8 << 20  # frames up to this size are what cdmlfs pack writes: 
 PREFETCH_ENV = os.environ.get("CDMLFS_PREFETCH", "")  # "0": never decode ahead, "1": always (A/B runs)
 MAX_STREAM = 1 << 62
 SCRATCH_MAX = 8 << 20  # frames compressed to more than this are read into fresh buffers
-MAX_WINDOW = 1 << zstdframes.MAX_WINDOW_LOG  # larger windows need --long archives
+MAX_WINDOW = decoders.MAX_WINDOW  # larger windows need --long archives
 
 
 # What to do with an archive written with zstd --long (refuse_large_window, _zstd_error).
