@@ -35,6 +35,7 @@ from cdmlfs import fastpath, fuseloop, xdg
 from cdmlfs.archive import Archive
 from cdmlfs.errors import CdmlfsError, UsageError
 from cdmlfs.fuse_ops import ArchiveOperations, load_mfusepy, make_fuse_class
+from cdmlfs.kernel_cache import KernelCacheDropper
 from cdmlfs.mountpoints import is_mounted, unmount
 from cdmlfs.safe_write import private_temp_dir
 from cdmlfs.sizes import human_bytes
@@ -101,6 +102,7 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
     """Run the FUSE loop until unmounted or signalled. Blocks."""
     mfusepy = load_mfusepy()
     ops = ArchiveOperations(archive, direct_io_min=opts.direct_io_min)
+    ops.kernel_cache = KernelCacheDropper(mfusepy._libfuse)
     multithreaded = opts.multithreaded(archive)
     ops.serving = "multithreaded" if multithreaded else "single-threaded"
 
