@@ -355,6 +355,9 @@ class IndexBuilder:
                 self._index.mode[previous] = mode & PERMISSION_BITS
                 self._index.mtime[previous] = mtime
                 return previous
+            if kind == DIR:  # a file (or link) seen before: the directory wins, said as when it comes first
+                log.warning("hiding member %r: it clashes with a directory of the same path", path)
+                self.dropped += 1
         parent_path = path.rpartition("/")[0]
         parent = self._dir_ids.get(parent_path)
         if parent is None:

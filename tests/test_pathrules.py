@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import struct
@@ -127,6 +128,23 @@ def test_hostile_names_through_the_api(tmp_path: Path) -> None:
         (long_name,) = ar.listdir("long")
         assert len(long_name.encode()) <= 255
         assert ar.read("long/" + long_name) == b"long"
+
+
+@pytest.mark.parametrize("file_first", [True, False])
+def test_a_file_hidden_by_a_directory_of_the_same_path_is_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, file_first: bool
+) -> None:
+    """README: a directory wins over a file of the same path, the file hidden with a log line. A
+    file followed by an explicit entry "x/" was hidden with no line (the other order had one)."""
+    entries = [("x", b"file", 0o100644), ("x/", b"", 0o040755), ("x/in.txt", b"in", 0o100644)]
+    if not file_first:
+        entries = entries[1:] + entries[:1]
+    archive = _raw_zip(tmp_path / "clash.zip", entries)
+    with caplog.at_level(logging.WARNING, logger="cdmlfs"), cdmlfs.open(str(archive)) as ar:
+        assert ar.isdir("x") and ar.read("x/in.txt") == b"in"
+        assert ar.listdir("") == ["x"]
+    said = [r.getMessage() for r in caplog.records]
+    assert any("'x'" in m and "directory of the same path" in m for m in said), said
 
 
 def test_a_zip_of_only_dropped_names_opens_empty(tmp_path: Path) -> None:
