@@ -968,6 +968,16 @@ def test_comment_length_past_the_end_of_the_file_still_opens(tmp_path: Path) -> 
         assert ar.read("a") == b"alpha"
 
 
+def test_an_end_record_signature_inside_the_comment_is_not_taken_for_the_record(tmp_path: Path) -> None:
+    """A comment holding a fake end record with a few bytes after it: the fake one, nearer the end
+    and with a comment that fits, was taken and the archive refused as corrupt. The record whose
+    comment ends the file is the real one."""
+    fake = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 1, 1, 46, 0, 0)
+    blob = craft.build_zip([craft.member("a.txt", b"hello")], comment=b"note " + fake + b" end")
+    with _open(b"#!/bin/sh\nexit 0\n" + blob, tmp_path) as ar:
+        assert ar.read("a.txt") == b"hello"
+
+
 @pytest.mark.parametrize("off_by", [-20, 20, 1 << 20], ids=["short", "long", "past the file"])
 def test_an_end_record_with_a_wrong_directory_size_reads_from_its_offset(
     off_by: int, tmp_path: Path, caplog

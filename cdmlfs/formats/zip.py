@@ -135,18 +135,22 @@ class ZipFormat:
         tail = self.source.read_at(tail_start, tail_len)
         pos = len(tail) - EOCD.size
         last: tuple[int, tuple] | None = None  # the record nearest the end, whatever its comment length
+        fits: tuple[int, tuple] | None = None  # the one nearest the end whose comment fits
         while True:
             pos = tail.rfind(b"PK\x05\x06", 0, pos + 4)
             if pos < 0:
                 break
             rec = EOCD.unpack_from(tail, pos)
-            comment_len = rec[7]
-            # Accept a comment that fits; tolerate junk after it (some tools append it).
-            if pos + EOCD.size + comment_len <= len(tail):
-                return tail_start + pos, rec
+            end = pos + EOCD.size + rec[7]  # rec[7]: its comment's length
+            if end == len(tail):  # its comment ends the file: the record (a signature inside that
+                return tail_start + pos, rec  # comment, nearer the end, would leave bytes after its own)
+            if end < len(tail) and fits is None:  # junk after the comment: some tools append it
+                fits = (tail_start + pos, rec)
             if last is None:
                 last = (tail_start + pos, rec)
             pos -= 1
+        if fits is not None:
+            return fits
         if last is None:
             if self.source.read_at(0, 4) == b"PK\x03\x04":  # it starts as a ZIP: the end is missing
                 raise ArchiveFormatError(
