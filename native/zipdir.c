@@ -144,7 +144,8 @@ next_extra(const unsigned char *extra, Py_ssize_t len, Py_ssize_t *at, unsigned 
     return 1;
 }
 
-/* zip.py _ntfs_mtime: tag 1 of an NTFS extra field; returns 0 when it has none (or a zero time). */
+/* zip.py _ntfs_mtime: tag 1 of an NTFS extra field; returns 0 when it has none (or a zero time,
+ * or one past the index's range). */
 static int
 ntfs_mtime(const unsigned char *body, Py_ssize_t len, double *out)
 {
@@ -159,7 +160,7 @@ ntfs_mtime(const unsigned char *body, Py_ssize_t len, double *out)
             /* Python: (ft - K) / 1e7 with an exact integer difference, correctly rounded to a double. */
             *out = ft >= NTFS_EPOCH_OFFSET ? (double)(ft - NTFS_EPOCH_OFFSET) / 1e7
                                            : -(double)(NTFS_EPOCH_OFFSET - ft) / 1e7;
-            return 1;
+            return *out >= -MAX_MTIME && *out <= MAX_MTIME; /* past the range: absent, as unzip */
         }
         pos += size;
     }

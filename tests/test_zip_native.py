@@ -305,6 +305,22 @@ def test_extended_timestamps_past_2038_and_before_1970(native, monkeypatch, capl
 
 
 @pytest.mark.parametrize("native", [True, False])
+def test_an_ntfs_time_past_the_index_range_is_taken_as_absent(native, monkeypatch, caplog):
+    """A garbage FILETIME (all ones) was read as year 36812; unzip takes the DOS time then."""
+    if native and zipfmt.PLAIN_RUN is None:
+        pytest.skip("cdmlfs._zipdir is not built")
+    members = [
+        _m("first"),
+        _m("huge", extra=_ntfs(2**64 - 1)),
+        _m("huge-ext", extra=_ntfs(2**64 - 1) + _ext_time(7)),
+    ]
+    snapshot = _parse(craft.build_zip(members), native, monkeypatch, caplog)[0]
+    mtimes = dict(zip(snapshot["paths"], snapshot["mtime"]))
+    assert mtimes["huge"] == zipfmt._dos_to_epoch(craft.DOS_DATE, craft.DOS_TIME)
+    assert mtimes["huge-ext"] == 7
+
+
+@pytest.mark.parametrize("native", [True, False])
 def test_a_directory_by_attributes_alone_with_data_is_a_file(native, monkeypatch, caplog, tmp_path: Path):
     """No slash, the DOS directory bit (or S_IFDIR in a Unix mode) and data: unzip and zipfile
     extract a file by that name; it was shown as an empty directory, its data unreachable."""

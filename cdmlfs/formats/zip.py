@@ -29,6 +29,7 @@ from cdmlfs.index import (
     ENCRYPTED,
     FILE,
     INCONSISTENT,
+    MAX_MTIME,
     NEEDS_LOCAL_HEADER,
     STORED,
     SYMLINK,
@@ -559,7 +560,10 @@ def _ntfs_mtime(body: bytes) -> float | None:
         pos += 4
         if tag == 1 and size >= 8 and pos + 8 <= len(body):
             (ft,) = struct.unpack_from("<Q", body, pos)
-            return (ft - 116_444_736_000_000_000) / 1e7 if ft else None  # integers first: exact to 0.2 µs
+            t = (ft - 116_444_736_000_000_000) / 1e7  # integers first: exact to 0.2 µs
+            # Zero, or garbage past the index's range (0xFF.. gave year 36812): absent, as unzip
+            # takes it, so the extended timestamp or the DOS time decides.
+            return t if ft and -MAX_MTIME <= t <= MAX_MTIME else None
         pos += size
     return None
 
