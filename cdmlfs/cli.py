@@ -99,8 +99,13 @@ _UNFIT_FUSE_OPTIONS = {
 }
 
 
-def parse_fuse_options(values: list[str]) -> dict[str, str | bool]:
-    opts: dict[str, str | bool] = {}
+# Options libfuse 3 takes in its config struct, which mfusepy fills in at init: a value there must
+# be an integer, and a string one failed the init, so the mount served but never said it was ready.
+_CONFIG_FLAGS = {"hard_remove", "use_ino", "readdir_ino", "direct_io", "nopath", "intr"}
+
+
+def parse_fuse_options(values: list[str]) -> dict[str, str | bool | int]:
+    opts: dict[str, str | bool | int] = {}
     for value in values:
         for item in value.split(","):
             item = item.strip()
@@ -119,6 +124,13 @@ def parse_fuse_options(values: list[str]) -> dict[str, str | bool]:
                 raise UsageError(f"-o {key}: not a FUSE mount option{_NOT_FUSE_OPTIONS[key]}")
             if key in _UNFIT_FUSE_OPTIONS:
                 raise UsageError(f"-o {key}: {_UNFIT_FUSE_OPTIONS[key]}")
+            if key in _CONFIG_FLAGS and sep:
+                raise UsageError(f"-o {item}: {key} takes no value")
+            if key == "intr_signal":
+                if not (sep and val.isdigit() and 1 <= int(val) <= signal.SIGRTMAX):
+                    raise UsageError(f"-o {item}: takes a signal number (1-{int(signal.SIGRTMAX)})")
+                opts[key] = int(val)
+                continue
             opts[key] = val if sep else True
     return opts
 

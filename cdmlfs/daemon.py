@@ -53,7 +53,7 @@ MOUNT_TIMEOUT = 60.0
 class ServeOptions:
     mountpoint: str
     threads: str = "auto"  # "single", "multi" or "auto" (single for local files, multi for network sources)
-    fuse_options: dict[str, str | bool] = field(default_factory=dict)
+    fuse_options: dict[str, str | bool | int] = field(default_factory=dict)
     debug: bool = False
     pid_file: str | None = None
     direct_io_min: int | None = None  # None: kernel no-open mode (see fuse_ops)
@@ -196,6 +196,8 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
         log.info("unmounted %s (stopped by a signal)", opts.mountpoint)
         log.debug("libfuse's main returned %s", exc)
     else:
+        if not mounted_once:  # the init callback failed (logged), and ended libfuse's loop from there
+            raise CdmlfsError(f"libfuse could not mount {opts.mountpoint} (its init failed: see the log)")
         log.info("unmounted %s", opts.mountpoint)
     finally:
         if held is not None:

@@ -431,6 +431,20 @@ def make_fuse_class(mfusepy):
                 guarded = self._guarded[func] = _eio_on_error(func)
             return super()._wrapper(guarded, *args, **kwargs)
 
+        def init_fuse_3(self, conn, config):
+            try:
+                return super().init_fuse_3(conn, config)
+            except BaseException:
+                mfusepy.fuse_exit()  # without init the mount would serve but never say it is ready
+                raise
+
+        def init_fuse_2(self, conn):
+            try:
+                return super().init_fuse_2(conn)
+            except BaseException:
+                mfusepy.fuse_exit()
+                raise
+
         def fgetattr(self, path, buf, fip):
             ops = self.operations
             memset(buf, 0, stat_size)

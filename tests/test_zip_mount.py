@@ -297,6 +297,10 @@ def test_cli_errors_are_one_line_and_leave_no_mount(tmp_path: Path, mnt: Path) -
         ("mount", str(good), str(mnt), "-o", "subtype=mine"),  # cdmlfs stats would not find it
         ("mount", str(good), str(mnt), "-o", "max_read=4096"),  # libfuse's words named no option
         ("mount", str(good), str(mnt), "-o", "blkdev"),  # "No such file or directory"
+        # Options of libfuse 3's config struct with a value mfusepy cannot set: the mount served
+        # but never said it was ready, and the command failed after 60 s.
+        ("mount", str(good), str(mnt), "-o", "use_ino=1"),
+        ("mount", "-f", str(good), str(mnt), "-o", "intr_signal=abc"),
         ("pack", str(good), str(tmp_path / "out.tar.zst"), "--threads", "0"),
     ]
     for args in cases:
@@ -318,6 +322,31 @@ def test_cli_errors_are_one_line_and_leave_no_mount(tmp_path: Path, mnt: Path) -
     with mounted(good, mnt):
         res = run_cli("mount", str(good), str(mnt))
         assert res.returncode != 0 and "already mounted" in res.stderr.decode()
+
+
+def test_a_config_option_with_a_number_mounts(tmp_path: Path, mnt: Path) -> None:
+    """-o intr_signal=10 mounted and served, but the command waited 60 s and then failed."""
+    good = python_zip(tmp_path / "good.zip", {"a.txt": b"hello"})
+    res = run_cli("mount", str(good), str(mnt), "-o", "intr,intr_signal=10", timeout=50)
+    try:
+        assert res.returncode == 0, res.stderr
+        assert (mnt / "a.txt").read_bytes() == b"hello"
+    finally:
+        run_cli("umount", str(mnt))
+
+
+def test_a_failed_init_ends_the_daemon_instead_of_serving_unready(tmp_path: Path, mnt: Path) -> None:
+    """Whatever makes libfuse's init fail, the daemon must not go on serving a mount it never said
+    was ready (its parent waited the whole mount timeout, then stopped it)."""
+    good = python_zip(tmp_path / "good.zip", {"a.txt": b"hello"})
+    code = (
+        "import sys; from cdmlfs.archive import Archive; from cdmlfs.daemon import ServeOptions, serve\n"
+        f"opts = ServeOptions({str(mnt)!r}, fuse_options={{'use_ino': 'yes'}})  # a string: init fails\n"
+        f"serve(Archive({str(good)!r}), opts)"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert res.returncode != 0 and "could not mount" in res.stderr, res.stderr
+    assert not is_mounted(mnt)
 
 
 def test_a_mount_that_never_comes_up_is_reported_as_a_timeout(tmp_path: Path, mnt: Path) -> None:
