@@ -257,9 +257,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
     mountpoint = check_mountpoint(args.mountpoint, allow_nonempty=nonempty)  # one may have finished
     log_file = args.log_file or log_path_for(mountpoint)
     if not args.foreground:
-        check_log_file(log_file, default=not args.log_file)
+        check_log_file(log_file, default=not args.log_file, mountpoint=mountpoint)
     if args.pid_file:
-        check_pid_file(args.pid_file)
+        check_pid_file(args.pid_file, mountpoint)
     fuse_device = _dev_fuse_state()
     if fuse_device != DEV_FUSE_USABLE:  # before the archive opens (minutes for a large S3 scan)
         raise CdmlfsError(f"/dev/fuse is {fuse_device}")

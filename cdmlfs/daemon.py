@@ -362,11 +362,11 @@ def claim_mountpoint(mountpoint: str, notice_after: float = 1.0) -> int | None:
             time.sleep(0.05)
 
 
-def check_log_file(log_file: str, default: bool) -> None:
+def check_log_file(log_file: str, default: bool, mountpoint: str) -> None:
     """Fail before forking (one line) when the daemon could not write its log there (the default
     log's folder is made by :func:`_state_dir`)."""
     what = f"daemon log {log_file} (set --log-file)" if default else f"--log-file {log_file}"
-    _check_file_to_write(log_file, what)
+    _check_file_to_write(log_file, what, mountpoint)
     try:  # without blocking: opening a FIFO no process reads waited forever
         os.close(
             os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY, 0o644)
@@ -377,11 +377,11 @@ def check_log_file(log_file: str, default: bool) -> None:
         raise UsageError(f"{what}: cannot write it ({exc.strerror})") from None
 
 
-def check_pid_file(pid_file: str) -> None:
+def check_pid_file(pid_file: str, mountpoint: str) -> None:
     """Fail before mounting (one line) when the pid file could not be written once the mount is up.
     Nothing is created: a mount that fails must leave no pid file."""
     what = f"--pid-file {pid_file}"
-    parent = _check_file_to_write(pid_file, what)
+    parent = _check_file_to_write(pid_file, what, mountpoint)
     if not os.access(pid_file if os.path.exists(pid_file) else parent, os.W_OK):
         raise UsageError(f"{what}: cannot write it (permission denied)")
     pid = _pid_in(pid_file)
@@ -430,13 +430,19 @@ def _is_cdmlfs(pid: int) -> bool:
         return False
 
 
-def _check_file_to_write(path: str, what: str) -> str:
-    """Not a directory, in one that exists (returned); ``what`` names it in the one-line error."""
+def _check_file_to_write(path: str, what: str, mountpoint: str) -> str:
+    """Not a directory, in one that exists (returned), and not under the mount point (the mount
+    would hide it, and a log left there made the next mount refuse a non-empty directory);
+    ``what`` names it in the one-line error."""
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise UsageError(f"{what}: is a directory")
     if not os.path.isdir(parent):
         raise UsageError(f"{what}: no such directory {parent}")
+    inside = os.path.realpath(parent)
+    mount = os.path.realpath(mountpoint)
+    if inside == mount or inside.startswith(mount.rstrip("/") + "/"):
+        raise UsageError(f"{what}: is inside the mount point, which the mount hides")
     return parent
 
 

@@ -293,6 +293,9 @@ def test_cli_errors_are_one_line_and_leave_no_mount(tmp_path: Path, mnt: Path) -
         ("mount", str(good), str(mnt), "--log-file", str(tmp_path / "no" / "such" / "dir.log")),
         ("mount", str(good), str(mnt), "--pid-file", str(tmp_path / "no" / "such" / "x.pid")),
         ("mount", "-f", str(good), str(mnt), "--pid-file", str(tmp_path)),
+        # Hidden by the mount, and a log left behind made the next mount find the directory not empty.
+        ("mount", str(good), str(mnt), "--log-file", str(mnt / "daemon.log")),
+        ("mount", str(good), str(mnt), "--pid-file", str(mnt / "daemon.pid")),
         ("mount", str(good), str(mnt), "--readahead", "3G"),  # would evict what it read ahead
         ("mount", str(good), str(mnt), "-o", "subtype=mine"),  # cdmlfs stats would not find it
         ("mount", str(good), str(mnt), "-o", "max_read=4096"),  # libfuse's words named no option
@@ -312,6 +315,7 @@ def test_cli_errors_are_one_line_and_leave_no_mount(tmp_path: Path, mnt: Path) -
         if "-o" in args:
             assert args[args.index("-o") + 1].split("=")[0].split(",")[-1] in err, (args, err)
     assert not is_mounted(mnt) and not is_mounted(nonempty)
+    assert not list(mnt.iterdir())
     res = run_cli("mount", str(good), str(mnt), "--pid-file", str(tmp_path / "no" / "x.pid"))
     assert res.returncode == 2 and "--pid-file" in res.stderr.decode()  # said before any mount, as usage
     for foreground in ([], ["-f"]):
