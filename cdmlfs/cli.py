@@ -492,12 +492,15 @@ def cmd_pack(args: argparse.Namespace) -> int:
     if not args.quiet:
         n = summary["frames"]
         frames = f", {n} frame{'s' if n != 1 else ''}" if n else ""
-        print(
+        line = (
             f"cdmlfs: packed {summary['members']} members ({sizes.human_bytes(summary['bytes'])}) into "
             f"{args.output} ({sizes.human_bytes(summary['output_bytes'])}{frames})"
-            f" in {summary['seconds']:.1f}s",
-            file=sys.stderr,
+            f" in {summary['seconds']:.1f}s"
         )
+        try:
+            print(line, file=sys.stderr, flush=True)
+        except OSError:  # 2>/dev/full: the archive is written all the same, so pack succeeded
+            pass
     if summary["changed"]:  # the archive is written, but not all of it is what was listed (GNU tar: 1)
         print(f"cdmlfs: {summary['changed']} files changed while being packed (see above)", file=sys.stderr)
         return 1

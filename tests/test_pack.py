@@ -1476,3 +1476,16 @@ def test_hard_links_to_symlinks_stay_hard_links(tmp_path: Path, source: str) -> 
         for name in ("s", "h"):
             info = zf.getinfo(name)
             assert (info.external_attr >> 16) & 0o170000 == 0o120000 and zf.read(name) == b"t"
+
+
+def test_pack_succeeds_when_only_its_summary_cannot_be_written(tmp_path: Path) -> None:
+    """2>/dev/full: the archive was written whole, yet pack exited 1 ("No space left on device")."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f.txt").write_bytes(b"hello\n")
+    out = tmp_path / "out.tar.zst"
+    with open("/dev/full", "w") as full:
+        res = subprocess.run([*CDMLFS, "pack", str(src), str(out)], stderr=full, timeout=120)
+    assert res.returncode == 0
+    with Archive(str(out)) as ar:
+        assert ar.read("f.txt") == b"hello\n"
