@@ -8,6 +8,7 @@ failure, 2 for a usage error. Tracebacks only with ``--verbose``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
 import os
@@ -497,10 +498,8 @@ def cmd_pack(args: argparse.Namespace) -> int:
             f"{args.output} ({sizes.human_bytes(summary['output_bytes'])}{frames})"
             f" in {summary['seconds']:.1f}s"
         )
-        try:
+        with contextlib.suppress(OSError):  # 2>/dev/full: the archive is written all the same
             print(line, file=sys.stderr, flush=True)
-        except OSError:  # 2>/dev/full: the archive is written all the same, so pack succeeded
-            pass
     if summary["changed"]:  # the archive is written, but not all of it is what was listed (GNU tar: 1)
         print(f"cdmlfs: {summary['changed']} files changed while being packed (see above)", file=sys.stderr)
         return 1
@@ -883,20 +882,11 @@ def _usable_std_streams() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _usable_std_streams()
-    parser = build_parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("-v", "--verbose"):  # `cdmlfs -v ls ...`: as after the command
-        argv = [*argv[1:2], argv[0], *argv[2:]]
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        # Options between positionals (`ls data.zip -l sub`, `extract data.zip a -C out b`), as ls
-        # and tar take them: the subcommand's parser again, intermixed. What is still unknown is
-        # said by that parser, so the hint points at its own --help.
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        rest = argv[argv.index(args.command) + 1 :]
-        args = sub.choices[args.command].parse_intermixed_args(rest, argparse.Namespace(command=args.command))
-    _setup_logging(getattr(args, "verbose", False))
+    try:
+        args = _parse_command_line(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the command started (a traceback from its set-up)
+        print("cdmlfs: interrupted", file=sys.stderr)
+        return 130
     try:
         return args.func(args)
     except UsageError as exc:
@@ -917,6 +907,25 @@ def main(argv: list[str] | None = None) -> int:
             log.exception("failed")
         print(f"cdmlfs: {_os_error_text(exc)}", file=sys.stderr)
         return 1
+
+
+def _parse_command_line(argv: list[str] | None) -> argparse.Namespace:
+    """The command's arguments, with logging set up for it (argparse exits on a usage error)."""
+    _usable_std_streams()
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("-v", "--verbose"):  # `cdmlfs -v ls ...`: as after the command
+        argv = [*argv[1:2], argv[0], *argv[2:]]
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # Options between positionals (`ls data.zip -l sub`, `extract data.zip a -C out b`), as ls
+        # and tar take them: the subcommand's parser again, intermixed. What is still unknown is
+        # said by that parser, so the hint points at its own --help.
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        rest = argv[argv.index(args.command) + 1 :]
+        args = sub.choices[args.command].parse_intermixed_args(rest, argparse.Namespace(command=args.command))
+    _setup_logging(getattr(args, "verbose", False))
+    return args
 
 
 def _os_error_text(exc: OSError) -> str:

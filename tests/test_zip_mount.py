@@ -328,6 +328,18 @@ def test_cli_errors_are_one_line_and_leave_no_mount(tmp_path: Path, mnt: Path) -
         assert res.returncode != 0 and "already mounted" in res.stderr.decode()
 
 
+def test_ctrl_c_while_the_command_sets_up_is_one_line(monkeypatch, capsys) -> None:
+    """Ctrl-C in a command's first ~40 ms (its logging set-up) printed a 30-line traceback."""
+    from cdmlfs import cli
+
+    def interrupted(verbose: bool) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_setup_logging", interrupted)
+    assert cli.main(["ls", "nothing.zip"]) == 130
+    assert capsys.readouterr().err == "cdmlfs: interrupted\n"
+
+
 def test_a_config_option_with_a_number_mounts(tmp_path: Path, mnt: Path) -> None:
     """-o intr_signal=10 mounted and served, but the command waited 60 s and then failed."""
     good = python_zip(tmp_path / "good.zip", {"a.txt": b"hello"})
