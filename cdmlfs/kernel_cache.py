@@ -35,6 +35,9 @@ class KernelCacheDropper:
         self._get_context = libfuse.fuse_get_context
         self._fuse: int | None = None
         self._lock = threading.Lock()  # held while libfuse is called, so close() waits for it
+        # Never the one above: a drop (on the FUSE thread) waiting for a call the kernel holds until
+        # that thread answers a read would wait for ever.
+        self._start_lock = threading.Lock()
         self._closed = False
         self._queue: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -49,7 +52,7 @@ class KernelCacheDropper:
         if self._fuse is None or self._closed:
             return
         self._queue.put(path)
-        with self._lock:
+        with self._start_lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="cdmlfs-invalidate", daemon=True)
                 self._thread.start()

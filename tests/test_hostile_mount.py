@@ -14,6 +14,7 @@ import random
 import struct
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 import zlib
@@ -460,6 +461,41 @@ def test_parts_of_a_large_stored_member_served_before_its_crc_failed_are_not_ser
         again = subprocess.run([sys.executable, "-c", middle], capture_output=True, text=True, timeout=60)
         assert again.returncode != 0 and "Input/output error" in again.stderr
         assert (mnt / "ok.txt").read_bytes() == b"hello"
+
+
+def test_many_readers_of_several_corrupt_members_all_get_eio(tmp_path: Path, mnt: Path) -> None:
+    """Dropping a failed member's cached pages waits for the reads of it in flight; a second member
+    failing meanwhile made the FUSE thread wait for that drop (a lock they shared): the mount hung."""
+    archive = tmp_path / "corrupt.zip"
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as zf:
+        for i in range(4):
+            zf.writestr(f"m{i}.bin", os.urandom(8 << 20))
+    for i in range(4):
+        flip_byte_in_member(archive, f"m{i}.bin")
+    failures: list[str] = []
+
+    def read_all(k: int) -> None:
+        for i in range(8):
+            name = mnt / f"m{(i + k) % 4}.bin"
+            try:
+                with open(name, "rb", buffering=0) as f:
+                    while f.read(1 << 20):
+                        pass
+                failures.append(f"{name.name}: read whole, no error")
+            except OSError as exc:
+                if exc.errno != errno.EIO:
+                    failures.append(f"{name.name}: {exc}")
+
+    for _ in range(4):  # the race is narrow: a fresh mount each time
+        with mounted(archive, mnt, "--cache-size", "16M"):
+            readers = [threading.Thread(target=read_all, args=(k,), daemon=True) for k in range(8)]
+            for t in readers:
+                t.start()
+            deadline = time.monotonic() + 60
+            for t in readers:
+                t.join(max(0.0, deadline - time.monotonic()))
+            assert not any(t.is_alive() for t in readers), "readers hung"
+    assert not failures, failures
 
 
 @pytest.mark.parametrize("direct_io", [False, True])
