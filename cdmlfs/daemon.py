@@ -35,7 +35,6 @@ from cdmlfs import fastpath, fuseloop, xdg
 from cdmlfs.archive import Archive
 from cdmlfs.errors import CdmlfsError, UsageError
 from cdmlfs.fuse_ops import ArchiveOperations, load_mfusepy, make_fuse_class
-from cdmlfs.kernel_cache import KernelCacheDropper
 from cdmlfs.mountpoints import is_mounted, unmount
 from cdmlfs.safe_write import private_temp_dir
 from cdmlfs.sizes import human_bytes
@@ -110,7 +109,6 @@ def serve(archive: Archive, opts: ServeOptions, ready_fd: int | None = None) -> 
     """Run the FUSE loop until unmounted or signalled. Blocks."""
     mfusepy = load_mfusepy()
     ops = ArchiveOperations(archive, direct_io_min=opts.direct_io_min)
-    ops.kernel_cache = KernelCacheDropper(mfusepy._libfuse)
     multithreaded = opts.multithreaded(archive)
     ops.serving = "multithreaded" if multithreaded else "single-threaded"
 
@@ -439,7 +437,7 @@ def _check_file_to_write(path: str, what: str, mountpoint: str) -> str:
         raise UsageError(f"{what}: is a directory")
     if not os.path.isdir(parent):
         raise UsageError(f"{what}: no such directory {parent}")
-    inside = os.path.realpath(parent)
+    inside = os.path.dirname(os.path.realpath(path))  # through a symlink too, where it lands
     mount = os.path.realpath(mountpoint)
     if inside == mount or inside.startswith(mount.rstrip("/") + "/"):
         raise UsageError(f"{what}: is inside the mount point, which the mount hides")

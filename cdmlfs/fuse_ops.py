@@ -38,7 +38,6 @@ from cdmlfs import fuseloop, statsio
 from cdmlfs.archive import Archive
 from cdmlfs.errors import CdmlfsError, CorruptMemberError, MemberError
 from cdmlfs.index import DIR, INCONSISTENT, SPARSE, SYMLINK
-from cdmlfs.kernel_cache import KernelCacheDropper
 from cdmlfs.pathrules import NAME_MAX
 
 log = logging.getLogger(__name__)
@@ -103,7 +102,6 @@ class ArchiveOperations:
         self.ready_callback = None  # called once libfuse has mounted and initialised
         self.fast_table = None  # the C fast path's table when active (its counters feed stats)
         self.polling_loop = False  # whether cdmlfs._fuseloop runs the FUSE loop (see cdmlfs.fuseloop)
-        self.kernel_cache: KernelCacheDropper | None = None  # drops a corrupt member's cached pages
         self.serving = "single-threaded"
         self._total_bytes: int | None = None
         self._index_bytes = self.index.nbytes()
@@ -136,10 +134,6 @@ class ArchiveOperations:
             self.stats.errors[kind] = self.stats.errors.get(kind, 0) + 1
             first = not self._logged[key]
             self._logged[key] = 1
-        dropper = self.kernel_cache
-        if first and eid is not None and isinstance(exc, CorruptMemberError) and dropper is not None:
-            # Parts of it served before the verdict (unchecked) must not be served again.
-            dropper.drop(b"/" + self.index.paths[eid].encode("utf-8", "surrogateescape"))
         if first:
             code = errno.errorcode.get(exc.errno, str(exc.errno))
             if isinstance(exc, MemberError):
@@ -194,19 +188,12 @@ class ArchiveOperations:
             # or stat-ed after a listing need no LOOKUP. Measured on a 120k-entry directory:
             # os.walk + stat 3.44 s -> 0.68 s; a names-only find 0.09 s -> 0.46 s.
             conn.want &= ~_FUSE_CAP_READDIRPLUS_AUTO
-        if self.kernel_cache is not None:
-            self.kernel_cache.bind()
         if self.ready_callback is not None:
             self.ready_callback()
 
     def init(self, path: str) -> None:  # libfuse2
         if self.ready_callback is not None:
             self.ready_callback()
-
-    def destroy(self, path: str) -> None:
-        """Called by libfuse before it frees its state: nothing may call into it afterwards."""
-        if self.kernel_cache is not None:
-            self.kernel_cache.close()
 
     def getattr(self, path: str, fh=None) -> dict:
         """mfusepy's dict form. FastFUSE.fgetattr fills the C struct directly and never calls this;

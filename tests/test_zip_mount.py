@@ -296,6 +296,7 @@ def test_cli_errors_are_one_line_and_leave_no_mount(tmp_path: Path, mnt: Path) -
         # Hidden by the mount, and a log left behind made the next mount find the directory not empty.
         ("mount", str(good), str(mnt), "--log-file", str(mnt / "daemon.log")),
         ("mount", str(good), str(mnt), "--pid-file", str(mnt / "daemon.pid")),
+        ("mount", str(good), str(mnt), "--log-file", str(tmp_path / "link.log")),  # a symlink into it
         ("mount", str(good), str(mnt), "--readahead", "3G"),  # would evict what it read ahead
         ("mount", str(good), str(mnt), "-o", "subtype=mine"),  # cdmlfs stats would not find it
         ("mount", str(good), str(mnt), "-o", "max_read=4096"),  # libfuse's words named no option
@@ -306,6 +307,7 @@ def test_cli_errors_are_one_line_and_leave_no_mount(tmp_path: Path, mnt: Path) -
         ("mount", "-f", str(good), str(mnt), "-o", "intr_signal=abc"),
         ("pack", str(good), str(tmp_path / "out.tar.zst"), "--threads", "0"),
     ]
+    (tmp_path / "link.log").symlink_to(mnt / "daemon.log")
     for args in cases:
         res = run_cli(*args, timeout=60)
         err = res.stderr.decode().strip()
