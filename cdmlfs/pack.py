@@ -467,14 +467,15 @@ STREAM_CACHE = 64 << 20  # blocks of a remote stream source (S3 reads ahead into
 class StreamTally:
     """Counts the members and file bytes of entries as they go by (a stream has no list to count)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str) -> None:
         self.members = 0
         self.bytes = 0
+        self._kinds = (FILE, HARDLINK) if kind == "zip" else (FILE,)  # as _bytes_to_write counts
 
     def count(self, entries: Iterable[PackEntry]) -> Iterator[PackEntry]:
         for entry in entries:
             self.members += 1
-            if entry.kind == FILE:
+            if entry.kind in self._kinds:
                 self.bytes += entry.size
             yield entry
 
@@ -1018,7 +1019,7 @@ def _pack(
             # One pass, no list: progress goes by (compressed) bytes read, counts are taken on the way.
             raw = pipe if pipe is not None else SourceRange(source, 0, source.size)
             total = None if pipe is not None else source.size
-            tally = StreamTally()
+            tally = StreamTally(kind)
             streamed = entries_from_tar_stream(raw, where, stream)
             entries = tally.count(streamed)
             if progress is not None:
@@ -1029,7 +1030,7 @@ def _pack(
             skip = os.path.join(os.path.realpath(src), _inside(src, out))
             listed = entries_from_directory(src, skip=skip, changed=changed)
             # Counted as written: files removed since the listing are left out (the summary counted them).
-            tally = StreamTally()
+            tally = StreamTally(kind)
             entries = tally.count(_as_they_are_now(listed))
             total = _bytes_to_write(listed, kind)
         else:

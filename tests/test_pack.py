@@ -1489,3 +1489,18 @@ def test_pack_succeeds_when_only_its_summary_cannot_be_written(tmp_path: Path) -
     assert res.returncode == 0
     with Archive(str(out)) as ar:
         assert ar.read("f.txt") == b"hello\n"
+
+
+def test_pack_summary_counts_the_copies_hard_links_become_in_a_zip(tmp_path: Path) -> None:
+    """From a directory the summary said half the bytes a ZIP holds (a hard link is stored as a
+    copy there), from a tar of the same files all of them."""
+    from cdmlfs.pack import pack
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"x" * 100_000)
+    os.link(src / "a.bin", src / "b.bin")
+    summary = pack(str(src), str(tmp_path / "out.zip"))
+    assert summary["members"] == 2 and summary["bytes"] == 200_000
+    with zipfile.ZipFile(tmp_path / "out.zip") as zf:
+        assert sum(i.file_size for i in zf.infolist()) == 200_000
