@@ -470,7 +470,7 @@ class StreamTally:
     def __init__(self, kind: str) -> None:
         self.members = 0
         self.bytes = 0
-        self._kinds = (FILE, HARDLINK) if kind == "zip" else (FILE,)  # as _bytes_to_write counts
+        self._kinds = _kinds_written(kind)
 
     def count(self, entries: Iterable[PackEntry]) -> Iterator[PackEntry]:
         for entry in entries:
@@ -787,9 +787,15 @@ def _inside(src: str, out: str) -> str:
     return os.path.relpath(replaced, real_src)
 
 
+def _kinds_written(kind: str) -> tuple[int, ...]:
+    """The entries whose bytes an output of ``kind`` holds: files, and in a ZIP the copies hard
+    links become (the progress bar and the summary count the same)."""
+    return (FILE, HARDLINK) if kind == "zip" else (FILE,)
+
+
 def _bytes_to_write(entries: list[PackEntry], kind: str) -> int:
-    """What the progress bar counts: file bytes, and in a ZIP the copies hard links become."""
-    kinds = (FILE, HARDLINK) if kind == "zip" else (FILE,)
+    """What the progress bar counts."""
+    kinds = _kinds_written(kind)
     return sum(e.size for e in entries if e.kind in kinds)
 
 
